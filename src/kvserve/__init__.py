@@ -1,0 +1,1 @@
+"""kvserve: an LLM serving engine built around its KV-cache memory system."""

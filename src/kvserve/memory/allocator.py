@@ -1,0 +1,399 @@
+"""Jenga's two-level allocator: LCM large pages cut into per-spec small pages.
+
+Small page ids are per spec: page `pid` of spec `s` lies in large page
+`pid // k[s]` at slot `pid % k[s]`, so a spec's pages form one array
+`[num_large * k[s], page_bytes[s]]` over the shared byte pool.
+
+Small page states: empty (no valid KV, not used), evictable (valid cached KV,
+no user) and used (ref count > 0). A large page is owned by one spec or free;
+it is *unused* when none of its small pages is used (it then holds at least
+one evictable page: a large page whose pages are all empty is returned to the
+free list at once). Each large page is associated with the request it was
+first handed to, and that request's later pages come from it first (§4.3),
+so a request's pages tend to be freed together and whole large pages return.
+
+Allocation order for one small page (§5.4):
+  1. an empty small page associated with the request;
+  2. an empty large page;
+  3. evict an unused large page, least recently used first;
+  4. any empty small page of the spec;
+  5. evict an evictable small page of the spec, LRU (ties: longest prefix).
+
+Everything here is integers and lists: no torch, so it is fast to test and
+the simulator can run it at paper scale.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Sequence
+
+from kvserve.memory.spec import Layout
+
+EMPTY, EVICTABLE, USED = 0, 1, 2
+
+RequestId = Hashable
+
+
+class OutOfPages(RuntimeError):
+    """Raised when an allocation cannot be satisfied; nothing was changed."""
+
+
+class SpecPages:
+    """Small-page state of one spec. Owned and mutated by TwoLevelAllocator."""
+
+    def __init__(self, k: int, num_large: int) -> None:
+        n = k * num_large
+        self.k = k
+        self.ref = [0] * n
+        self.state = bytearray(n)
+        self.hash: list[Hashable | None] = [None] * n
+        self.last = [0] * n  # last access time (LRU key)
+        self.plen = [0] * n  # prefix length (tie-break: evict longest first)
+        self.stamp = [0] * n  # bumps whenever a heap entry for the page goes stale
+        self.cached: dict[Hashable, int] = {}
+        self.heap: list[tuple[int, int, int, int]] = []  # (last, -plen, pid, stamp)
+        self.empties: dict[int, list[int]] = {}  # owned large page -> its empty pages
+        self.partial: dict[int, None] = {}  # owned large pages with an empty page
+        self.by_req: dict[RequestId, dict[int, None]] = {}  # request -> its partial pages
+        self.n_used = 0
+        self.n_evictable = 0
+        self.n_empty = 0  # empty pages inside owned large pages
+        self.n_unused_large = 0
+        self.n_large = 0
+
+    def spare_in_used_large(self) -> int:
+        """Empty + evictable pages inside large pages that also hold used pages."""
+        return self.n_empty + self.n_evictable - self.n_unused_large * self.k
+
+
+class TwoLevelAllocator:
+    """LCM large-page allocator with request-aware small-page allocators.
+
+    `partitioned=True` gives the static baseline: the large pages are split
+    equally between specs up front and never move between them.
+    """
+
+    def __init__(self, layout: Layout, num_large: int, partitioned: bool = False) -> None:
+        if num_large <= 0:
+            raise ValueError("the pool must hold at least one large page")
+        nspec = len(layout.specs)
+        if partitioned and num_large < nspec:
+            raise ValueError(f"static partition needs >= {nspec} large pages, got {num_large}")
+        self.layout = layout
+        self.num_large = num_large
+        self.specs = [SpecPages(k, num_large) for k in layout.pages_per_large]
+        self.owner = [-1] * num_large
+        self.assoc: list[RequestId | None] = [None] * num_large
+        self.used = [0] * num_large  # used small pages per large page
+        self.ltime = [0] * num_large  # latest last-access among its small pages
+        self.lstamp = [0] * num_large
+        self.part = list(range(nspec)) if partitioned else [0] * nspec
+        nparts = nspec if partitioned else 1
+        self.free_large: list[list[int]] = [[] for _ in range(nparts)]
+        for lp in range(num_large - 1, -1, -1):
+            self.free_large[lp % nparts if partitioned else 0].append(lp)
+        self.lheap: list[list[tuple[int, int, int]]] = [[] for _ in range(nparts)]
+
+    # ---------------------------------------------------------------- queries
+
+    def lookup(self, s: int, h: Hashable) -> int | None:
+        return self.specs[s].cached.get(h)
+
+    def num_free_large(self) -> int:
+        return sum(len(f) for f in self.free_large)
+
+    # ------------------------------------------------------------- allocation
+
+    def allocate(self, req: RequestId, needs: Sequence[tuple[int, int]]) -> list[list[int]]:
+        """Allocate `n` small pages of spec `s` for each `(s, n)`, all or nothing.
+
+        Raises OutOfPages (with nothing changed) when the pool cannot hold them
+        even after evicting every evictable page.
+        """
+        tight = self._plan(req, needs)
+        return [self._take(s, req, n, tight) for s, n in needs]
+
+    def _plan(self, req: RequestId, needs: Sequence[tuple[int, int]]) -> bool:
+        """Decide how to allocate; returns True for the hole-filling 'tight' mode.
+
+        The normal five-step order may spend a whole large page on one small
+        page, so it is only used when the supply of whole large pages covers
+        the worst case. Otherwise the tight mode first fills holes in large
+        pages that are in use, which succeeds exactly when the pool can hold
+        the request at all.
+        """
+        worst: dict[int, int] = {}
+        exact: dict[int, int] = {}
+        for s, n in needs:
+            if n <= 0:
+                continue
+            sp = self.specs[s]
+            p = self.part[s]
+            own_unused = sum(1 for lp in sp.by_req.get(req, ()) if self.used[lp] == 0)
+            worst[p] = worst.get(p, 0) + -(-n // sp.k) + own_unused
+            short = max(0, n - sp.spare_in_used_large())
+            exact[p] = exact.get(p, 0) + -(-short // sp.k)
+        supply = self._supply()
+        if all(w <= supply[p] for p, w in worst.items()):
+            return False
+        if all(e <= supply[p] for p, e in exact.items()):
+            return True
+        need = {self.layout.specs[s].name: n for s, n in needs}
+        raise OutOfPages(f"cannot allocate {need} small pages: pool exhausted")
+
+    def _supply(self) -> list[int]:
+        """Whole large pages each partition can hand out: free or evictable."""
+        supply = [len(f) for f in self.free_large]
+        for s, sp in enumerate(self.specs):
+            supply[self.part[s]] += sp.n_unused_large
+        return supply
+
+    def _take(self, s: int, req: RequestId, n: int, tight: bool) -> list[int]:
+        out: list[int] = []
+        if n <= 0:
+            return out
+        sp = self.specs[s]
+        if tight:  # holes first, then only whole large pages (k pages per unit of supply)
+            self._take_holes(s, n, out)
+        while len(out) < n:
+            if not tight and self._take_own(sp, req, n, out):
+                continue
+            lp = self._fresh_large(s, req)
+            if lp is None:
+                break
+            self._take_from(sp, lp, n - len(out), out)
+        if len(out) < n:  # steps 4 and 5: no whole large page is left
+            self._take_holes(s, n, out)
+        assert len(out) == n, "allocation plan was wrong"
+        return out
+
+    def _take_own(self, sp: SpecPages, req: RequestId, n: int, out: list[int]) -> bool:
+        """Step 1: empty pages in large pages associated with the request."""
+        mine = sp.by_req.get(req)
+        if not mine:
+            return False
+        lp = next(iter(mine))
+        self._take_from(sp, lp, n - len(out), out)
+        return True
+
+    def _take_from(self, sp: SpecPages, lp: int, want: int, out: list[int]) -> None:
+        """Mark up to `want` empty pages of large page `lp` used."""
+        empties = sp.empties[lp]  # kept in descending order: pop from the end
+        got = empties[: -want - 1 : -1] if want < len(empties) else empties[::-1]
+        ref, state = sp.ref, sp.state
+        for pid in got:
+            ref[pid] = 1
+            state[pid] = USED
+        out.extend(got)
+        cnt = len(got)
+        if self.used[lp] == 0:
+            sp.n_unused_large -= 1
+            self.lstamp[lp] += 1
+        self.used[lp] += cnt
+        sp.n_used += cnt
+        sp.n_empty -= cnt
+        if cnt == len(empties):
+            self._drop_partial(sp, lp)
+        else:
+            del empties[-cnt:]
+
+    def _fresh_large(self, s: int, req: RequestId) -> int | None:
+        """Steps 2 and 3: a free large page, else evict the LRU unused one."""
+        p = self.part[s]
+        free = self.free_large[p]
+        if free:
+            lp = free.pop()
+        else:
+            lp = self._pop_lru_large(p)
+            if lp is None:
+                return None
+            self._evict_large(lp)
+        self._assign(s, lp, req)
+        return lp
+
+    def _pop_lru_large(self, p: int) -> int | None:
+        heap = self.lheap[p]
+        while heap:
+            _, lp, stamp = heapq.heappop(heap)
+            if stamp == self.lstamp[lp] and self.used[lp] == 0 and self.owner[lp] >= 0:
+                return lp
+        return None
+
+    def _evict_large(self, lp: int) -> None:
+        """Drop every cached page of an unused large page and make it free."""
+        s = self.owner[lp]
+        sp = self.specs[s]
+        base = lp * sp.k
+        for pid in range(base, base + sp.k):
+            if sp.state[pid] == EVICTABLE:
+                self._uncache(sp, pid)
+                sp.n_evictable -= 1
+            else:
+                sp.n_empty -= 1
+            sp.state[pid] = EMPTY
+        self._drop_partial(sp, lp)
+        self._detach(s, lp)
+
+    def _assign(self, s: int, lp: int, req: RequestId) -> None:
+        sp = self.specs[s]
+        base = lp * sp.k
+        self.owner[lp] = s
+        self.assoc[lp] = req
+        self.used[lp] = 0
+        self.ltime[lp] = 0
+        self.lstamp[lp] += 1
+        sp.n_large += 1
+        sp.n_unused_large += 1
+        sp.n_empty += sp.k
+        sp.empties[lp] = list(range(base + sp.k - 1, base - 1, -1))
+        sp.partial[lp] = None
+        sp.by_req.setdefault(req, {})[lp] = None
+
+    def _detach(self, s: int, lp: int) -> None:
+        """The spec gives up an unused large page (its pages already cleared)."""
+        sp = self.specs[s]
+        sp.n_large -= 1
+        sp.n_unused_large -= 1
+        self.owner[lp] = -1
+        self.assoc[lp] = None
+        self.lstamp[lp] += 1
+
+    def _release_large(self, s: int, lp: int) -> None:
+        self._detach(s, lp)
+        self.free_large[self.part[s]].append(lp)
+
+    def _take_holes(self, s: int, n: int, out: list[int]) -> None:
+        """Steps 4 and 5 restricted to large pages that hold used pages.
+
+        In normal mode this runs only when no whole large page is left, so
+        the restriction removes nothing; in tight mode it keeps unused large
+        pages whole for the other specs of the same allocation.
+        """
+        sp = self.specs[s]
+        for lp in [lp for lp in sp.partial if self.used[lp] > 0]:
+            if len(out) >= n:
+                return
+            self._take_from(sp, lp, n - len(out), out)
+        skipped = []
+        while len(out) < n and sp.heap:
+            entry = heapq.heappop(sp.heap)
+            pid = entry[2]
+            if entry[3] != sp.stamp[pid] or sp.state[pid] != EVICTABLE:
+                continue
+            lp = pid // sp.k
+            if self.used[lp] == 0:
+                skipped.append(entry)
+                continue
+            self._uncache(sp, pid)
+            sp.n_evictable -= 1
+            sp.n_used += 1
+            sp.ref[pid] = 1
+            sp.state[pid] = USED
+            self.used[lp] += 1
+            out.append(pid)
+        for entry in skipped:
+            heapq.heappush(sp.heap, entry)
+
+    # ----------------------------------------------------------- claim / free
+
+    def claim(self, s: int, pids: Sequence[int]) -> None:
+        """Take one more reference on cached pages (a prefix hit)."""
+        sp = self.specs[s]
+        for pid in pids:
+            if sp.ref[pid] == 0:
+                if sp.state[pid] != EVICTABLE:
+                    raise ValueError(f"page {pid} of spec {s} holds no cached KV")
+                sp.state[pid] = USED
+                sp.stamp[pid] += 1
+                sp.n_evictable -= 1
+                sp.n_used += 1
+                lp = pid // sp.k
+                if self.used[lp] == 0:
+                    sp.n_unused_large -= 1
+                    self.lstamp[lp] += 1
+                self.used[lp] += 1
+            sp.ref[pid] += 1
+
+    def free(self, s: int, pids: Sequence[int], now: int) -> None:
+        """Drop one reference per page; last users leave pages evictable or empty."""
+        sp = self.specs[s]
+        ref, last = sp.ref, sp.last
+        for pid in pids:
+            if last[pid] < now:
+                last[pid] = now
+            r = ref[pid] - 1
+            if r < 0:
+                raise ValueError(f"double free of page {pid} of spec {s}")
+            ref[pid] = r
+            if r == 0:
+                self._unuse(s, sp, pid)
+
+    def _unuse(self, s: int, sp: SpecPages, pid: int) -> None:
+        lp = pid // sp.k
+        sp.n_used -= 1
+        left = self.used[lp] - 1
+        self.used[lp] = left
+        if sp.hash[pid] is not None:
+            sp.state[pid] = EVICTABLE
+            sp.n_evictable += 1
+            sp.stamp[pid] += 1
+            heapq.heappush(sp.heap, (sp.last[pid], -sp.plen[pid], pid, sp.stamp[pid]))
+            if self.ltime[lp] < sp.last[pid]:
+                self.ltime[lp] = sp.last[pid]
+        else:
+            sp.state[pid] = EMPTY
+            sp.n_empty += 1
+            empties = sp.empties.get(lp)
+            if empties is None:
+                sp.empties[lp] = [pid]
+                sp.partial[lp] = None
+                mine = sp.by_req.get(self.assoc[lp])
+                if mine is not None:
+                    mine[lp] = None
+            else:
+                empties.append(pid)
+                if len(empties) == sp.k:  # every page empty: hand the large page back
+                    sp.n_empty -= sp.k
+                    self._drop_partial(sp, lp)
+                    sp.n_unused_large += 1
+                    self._release_large(s, lp)
+                    return
+        if left == 0:
+            sp.n_unused_large += 1
+            self.lstamp[lp] += 1
+            heapq.heappush(self.lheap[self.part[s]], (self.ltime[lp], lp, self.lstamp[lp]))
+
+    def _drop_partial(self, sp: SpecPages, lp: int) -> None:
+        if sp.empties.pop(lp, None) is None:
+            return
+        del sp.partial[lp]
+        mine = sp.by_req.get(self.assoc[lp])
+        if mine is not None:
+            mine.pop(lp, None)
+
+    def forget_request(self, req: RequestId) -> None:
+        """The request is gone: its large pages' empty pages serve anyone now."""
+        for sp in self.specs:
+            sp.by_req.pop(req, None)
+
+    # ---------------------------------------------------------------- caching
+
+    def insert(self, s: int, pid: int, h: Hashable, plen: int) -> bool:
+        """Publish a used page's KV under block hash `h`.
+
+        Returns False when another page already caches `h` (the page then
+        stays private and becomes empty when freed).
+        """
+        sp = self.specs[s]
+        if h in sp.cached or sp.hash[pid] is not None:
+            return False
+        sp.cached[h] = pid
+        sp.hash[pid] = h
+        sp.plen[pid] = plen
+        return True
+
+    def _uncache(self, sp: SpecPages, pid: int) -> None:
+        del sp.cached[sp.hash[pid]]
+        sp.hash[pid] = None
+        sp.stamp[pid] += 1

@@ -1,0 +1,369 @@
+"""Per-layer-type rules: which pages are active, which prefixes hit, what is cached.
+
+One small manager per spec (as vLLM v1 gives each layer type its own
+manager), all behind KVCacheManager. Each follows Jenga's LayerProperty:
+
+- page size: Layout.page_bytes[s];
+- active pages: `window_start(c)` for the text stream, the live state for
+  Mamba, the image pages for cross/vision; pages that stop being active are
+  released at once (evictable if cached, else empty);
+- possible prefixes: `possible_prefix(is_hit)` (the paper's interface) and
+  `longest_hit(req, p)`, its fast form used by lookups;
+- update_last_access: done lazily. A used page cannot be evicted, so its
+  last access only matters from the moment its last user lets go; `free`
+  stamps it with that step. Pages that leave a window early get early times,
+  and all pages a request holds at finish get the same time (balanced rule);
+- set_prefix_length: text pages carry the token count through their block,
+  so among equal times the longest prefixes go first (aligned rule); all pages
+  of one image share one random value, so an image is evicted whole.
+
+Prefix lengths `p`, `q` here are in blocks of T tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvserve.memory.allocator import RequestId, TwoLevelAllocator
+from kvserve.memory.prefix_cache import ImageInput, image_page_key
+from kvserve.memory.spec import KVSpec, LayerKind
+
+NO_PAGE = -1
+
+
+@dataclass
+class RequestKV:
+    """What the memory core knows of one request."""
+
+    req_id: RequestId
+    tokens: Sequence[int]  # the request's token ids; the engine appends to it
+    images: tuple[ImageInput, ...]
+    hashes: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is written
+    num_alloc: int = 0  # tokens that have slots
+    tables: list[list[int]] = field(default_factory=list)  # per spec
+    released: list[int] = field(default_factory=list)  # per spec: leading blocks let go
+    pending: list[list[tuple[int, int]]] = field(default_factory=list)  # per spec
+    num_hit: int = 0  # prefix tokens taken from the cache
+
+
+class SpecManager:
+    """Rules of one spec over the shared allocator."""
+
+    def __init__(
+        self, s: int, spec: KVSpec, alloc: TwoLevelAllocator | None, block: int
+    ) -> None:
+        self.s = s
+        self.spec = spec
+        self.alloc = alloc
+        self.T = block
+
+    def page_size(self) -> int:
+        return self.alloc.layout.page_bytes[self.s]
+
+    # lookup
+    def possible_prefix(self, is_hit: Sequence[bool]) -> set[int]:
+        """Every prefix length (in blocks, >= 1) this spec can serve."""
+        raise NotImplementedError
+
+    def longest_hit(self, r: RequestKV, p: int) -> int:
+        """The longest prefix q <= p this spec can serve from the cache."""
+        raise NotImplementedError
+
+    def claim_hit(self, r: RequestKV, q: int) -> None:
+        raise NotImplementedError
+
+    # allocation
+    def num_new_pages(self, r: RequestKV, upto: int) -> int:
+        raise NotImplementedError
+
+    def install(self, r: RequestKV, pids: list[int], upto: int) -> None:
+        raise NotImplementedError
+
+    def advance(self, r: RequestKV, done: int, now: int) -> None:
+        """KV of tokens [.., done) is written: cache it, release what left."""
+        raise NotImplementedError
+
+    def release_inactive(self, r: RequestKV, c: int, now: int) -> None:
+        """Let go of pages no query at position >= c needs."""
+
+    def free_all(self, r: RequestKV, now: int) -> None:
+        table = r.tables[self.s]
+        self.alloc.free(self.s, [p for p in table if p != NO_PAGE], now)
+        table.clear()
+        for _, pid in r.pending[self.s]:
+            self.alloc.free(self.s, [pid], now)
+        r.pending[self.s].clear()
+
+    def live_slots(self, r: RequestKV) -> list[tuple[object, int]]:
+        """(key, slots) of the tokens this request needs now; shared blocks share a key.
+
+        Computed from the request alone, not from pages held, so it gives the
+        byte-exact ideal of the model's specs under any policy.
+        """
+        raise NotImplementedError
+
+
+class TextStream(SpecManager):
+    """Full, sliding-window and chunked-local attention over the text tokens."""
+
+    def window_start(self, c: int) -> int:
+        """First token a query at position c (or later) may read."""
+        kind = self.spec.kind
+        if kind is LayerKind.SLIDING:
+            return max(0, c - self.spec.window)
+        if kind is LayerKind.CHUNKED:
+            return c - c % self.spec.chunk
+        return 0
+
+    def _first_block(self, q: int) -> int:
+        return self.window_start(q * self.T) // self.T
+
+    def possible_prefix(self, is_hit: Sequence[bool]) -> set[int]:
+        return {
+            q for q in range(1, len(is_hit) + 1)
+            if all(is_hit[b] for b in range(self._first_block(q), q))
+        }
+
+    def longest_hit(self, r: RequestKV, p: int) -> int:
+        cached, hashes = self.alloc.specs[self.s].cached, r.hashes
+        q = p
+        b = q - 1
+        # Scan down; a miss at b makes b the next candidate, whose window
+        # reaches further back. b only decreases, so this is O(p).
+        while b >= self._first_block(q):
+            if hashes[b] in cached:
+                b -= 1
+            else:
+                q = b
+                b = q - 1
+        return q
+
+    def claim_hit(self, r: RequestKV, q: int) -> None:
+        first = self._first_block(q)
+        cached, hashes = self.alloc.specs[self.s].cached, r.hashes
+        pids = [cached[hashes[b]] for b in range(first, q)]
+        self.alloc.claim(self.s, pids)
+        r.tables[self.s] = [NO_PAGE] * first + pids
+        r.released[self.s] = first
+
+    def num_new_pages(self, r: RequestKV, upto: int) -> int:
+        return max(0, -(-upto // self.T) - len(r.tables[self.s]))
+
+    def install(self, r: RequestKV, pids: list[int], upto: int) -> None:
+        r.tables[self.s].extend(pids)
+
+    def advance(self, r: RequestKV, done: int, now: int) -> None:
+        table, T, s = r.tables[self.s], self.T, self.s
+        insert = self.alloc.insert
+        for b in range(r.num_computed // T, min(done // T, len(r.hashes))):
+            pid = table[b]
+            if pid != NO_PAGE:
+                insert(s, pid, r.hashes[b], (b + 1) * T)
+        self.release_inactive(r, done, now)
+
+    def release_inactive(self, r: RequestKV, c: int, now: int) -> None:
+        if self.spec.kind is LayerKind.FULL:
+            return
+        table = r.tables[self.s]
+        upto = min(self.window_start(c) // self.T, len(table))
+        start = r.released[self.s]
+        if upto <= start:
+            return
+        gone = [p for p in table[start:upto] if p != NO_PAGE]
+        table[start:upto] = [NO_PAGE] * (upto - start)
+        r.released[self.s] = upto
+        self.alloc.free(self.s, gone, now)
+
+    def live_slots(self, r: RequestKV) -> list[tuple[object, int]]:
+        T, n = self.T, r.num_alloc
+        lo = self.window_start(r.num_computed)
+        out: list[tuple[object, int]] = []
+        for b in range(lo // T, -(-n // T)):
+            slots = min(n, b * T + T) - max(lo, b * T)
+            key = r.hashes[b] if slots == T and b < len(r.hashes) else (r.req_id, b)
+            out.append((key, slots))
+        return out
+
+
+class MambaState(SpecManager):
+    """One live recurrent state per request; checkpoints every N tokens are cached.
+
+    Table: [live state page]. `pending` holds (token position, page) pairs:
+    checkpoints the runner must snapshot the live state into once the request
+    has computed exactly that many tokens, and (0-position) a cached
+    checkpoint to restore the live state from after a prefix hit.
+    """
+
+    def _every(self) -> int:
+        return self.spec.checkpoint_every // self.T
+
+    def possible_prefix(self, is_hit: Sequence[bool]) -> set[int]:
+        m = self._every()
+        return {q for q in range(m, len(is_hit) + 1, m) if is_hit[q - 1]}
+
+    def longest_hit(self, r: RequestKV, p: int) -> int:
+        cached, m = self.alloc.specs[self.s].cached, self._every()
+        q = p - p % m
+        while q > 0 and r.hashes[q - 1] not in cached:
+            q -= m
+        return q
+
+    def claim_hit(self, r: RequestKV, q: int) -> None:
+        if q == 0:
+            return
+        pid = self.alloc.specs[self.s].cached[r.hashes[q - 1]]
+        self.alloc.claim(self.s, [pid])
+        r.pending[self.s].append((0, pid))
+
+    def _checkpoints(self, lo: int, hi: int) -> range:
+        """Checkpoint positions in (lo, hi]."""
+        n = self.spec.checkpoint_every
+        return range((lo // n + 1) * n, hi + 1, n)
+
+    def num_new_pages(self, r: RequestKV, upto: int) -> int:
+        live = 0 if r.tables[self.s] else 1
+        return live + len(self._checkpoints(r.num_alloc, upto))
+
+    def install(self, r: RequestKV, pids: list[int], upto: int) -> None:
+        if not r.tables[self.s]:
+            r.tables[self.s].append(pids.pop(0))
+        r.pending[self.s].extend(zip(self._checkpoints(r.num_alloc, upto), pids))
+
+    def advance(self, r: RequestKV, done: int, now: int) -> None:
+        keep, s = [], self.s
+        for pos, pid in r.pending[s]:
+            if pos > done:
+                keep.append((pos, pid))
+                continue
+            if pos > 0 and pos // self.T <= len(r.hashes):
+                self.alloc.insert(s, pid, r.hashes[pos // self.T - 1], pos)
+            self.alloc.free(s, [pid], now)
+        r.pending[s] = keep
+
+    def live_slots(self, r: RequestKV) -> list[tuple[object, int]]:
+        return [((r.req_id, "state"), 1)] if r.num_alloc > r.num_hit else []
+
+
+class ImageCache(SpecManager):
+    """Cross-attention KV or vision embeddings of a request's images.
+
+    Pages are keyed by (image hash, index), so an image cached by one request
+    serves any later request that shows it. Cross-attention needs every image
+    for the whole request; vision embeddings are needed only until prefill has
+    passed the image, then released to the cache (Jenga §6.2).
+    Table: the pages of image 0, then image 1, ... (NO_PAGE where absent).
+    """
+
+    def __init__(
+        self, s: int, spec: KVSpec, alloc: TwoLevelAllocator | None, block: int
+    ) -> None:
+        super().__init__(s, spec, alloc, block)
+        self.rng = random.Random(s)
+
+    def _npages(self, im: ImageInput) -> int:
+        return -(-im.num_tokens // self.T)
+
+    def _span(self, r: RequestKV, i: int) -> slice:
+        start = sum(self._npages(im) for im in r.images[:i])
+        return slice(start, start + self._npages(r.images[i]))
+
+    def _needed(self, r: RequestKV, lo: int, hi: int) -> list[int]:
+        """Images whose pages must be present for queries at positions [lo, hi)."""
+        if self.spec.kind is LayerKind.CROSS:
+            return list(range(len(r.images)))
+        return [
+            i for i, im in enumerate(r.images)
+            if im.offset < hi and im.offset + im.num_tokens > lo
+        ]
+
+    def possible_prefix(self, is_hit: Sequence[bool]) -> set[int]:
+        # Image KV depends on the image alone; a missing image is re-encoded
+        # without invalidating any text prefix.
+        return set(range(1, len(is_hit) + 1))
+
+    def longest_hit(self, r: RequestKV, p: int) -> int:
+        return p
+
+    def _ensure_table(self, r: RequestKV) -> list[int]:
+        table = r.tables[self.s]
+        if not table and r.images:
+            table.extend([NO_PAGE] * sum(self._npages(im) for im in r.images))
+        return table
+
+    def claim_hit(self, r: RequestKV, q: int) -> None:
+        table = self._ensure_table(r)
+        cached = self.alloc.specs[self.s].cached
+        for i in self._needed(r, q * self.T, max(len(r.tokens), q * self.T + 1)):
+            im = r.images[i]
+            keys = [image_page_key(im, j) for j in range(self._npages(im))]
+            if all(k in cached for k in keys):
+                pids = [cached[k] for k in keys]
+                self.alloc.claim(self.s, pids)
+                table[self._span(r, i)] = pids
+
+    def _missing(self, r: RequestKV, upto: int) -> list[int]:
+        table = self._ensure_table(r)
+        return [
+            i for i in self._needed(r, r.num_alloc, upto)
+            if table[self._span(r, i)][0] == NO_PAGE
+        ]
+
+    def num_new_pages(self, r: RequestKV, upto: int) -> int:
+        return sum(self._npages(r.images[i]) for i in self._missing(r, upto))
+
+    def install(self, r: RequestKV, pids: list[int], upto: int) -> None:
+        table = r.tables[self.s]
+        for i in self._missing(r, upto):
+            span = self._span(r, i)
+            n = span.stop - span.start
+            table[span], pids = pids[:n], pids[n:]
+            r.pending[self.s].append((i, 0))
+
+    def advance(self, r: RequestKV, done: int, now: int) -> None:
+        # Pages allocated for an image hold its KV once the step that encoded
+        # it has run: publish them, one random prefix length per image.
+        table = r.tables[self.s]
+        for i, _ in r.pending[self.s]:
+            im, plen = r.images[i], self.rng.randrange(1 << 30)
+            for j, pid in enumerate(table[self._span(r, i)]):
+                self.alloc.insert(self.s, pid, image_page_key(im, j), plen)
+        r.pending[self.s].clear()
+        self.release_inactive(r, done, now)
+
+    def release_inactive(self, r: RequestKV, c: int, now: int) -> None:
+        if self.spec.kind is LayerKind.CROSS:
+            return
+        table = r.tables[self.s]
+        for i, im in enumerate(r.images):
+            span = self._span(r, i)
+            if im.offset + im.num_tokens <= c and table[span] and table[span][0] != NO_PAGE:
+                self.alloc.free(self.s, table[span], now)
+                table[span] = [NO_PAGE] * (span.stop - span.start)
+
+    def free_all(self, r: RequestKV, now: int) -> None:
+        r.pending[self.s].clear()  # (image, 0) markers, not pages
+        super().free_all(r, now)
+
+    def live_slots(self, r: RequestKV) -> list[tuple[object, int]]:
+        if r.num_alloc <= r.num_hit:
+            return []
+        out: list[tuple[object, int]] = []
+        for i in self._needed(r, r.num_computed, r.num_alloc):
+            im = r.images[i]
+            for j in range(self._npages(im)):
+                out.append((image_page_key(im, j), min(self.T, im.num_tokens - j * self.T)))
+        return out
+
+
+def make_spec_manager(
+    s: int, spec: KVSpec, alloc: TwoLevelAllocator | None, block: int
+) -> SpecManager:
+    """The manager of spec `s`; alloc=None gives one that only does accounting."""
+    if spec.kind in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED):
+        return TextStream(s, spec, alloc, block)
+    if spec.kind is LayerKind.MAMBA:
+        return MambaState(s, spec, alloc, block)
+    return ImageCache(s, spec, alloc, block)

@@ -1,0 +1,257 @@
+"""KVCacheManager: the one facade the scheduler and the simulator call.
+
+Life of a request:
+    add_request(id, tokens, images)   tokens is the engine's own list; it appends
+    lookup(id) -> cached tokens       claims the hit pages of every spec at once
+    allocate_slots(id, n)             slots for the next n tokens, all or nothing
+    block_tables(id)                  per-spec page ids for the model runner
+    advance(id, n)                    their KV is written: cache full blocks,
+                                      release pages that left a window
+    finish(id) / abort(id)            pages become evictable cache or empty
+The clock that orders LRU eviction is the engine step: call begin_step()
+once per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvserve.memory.allocator import OutOfPages, RequestId, TwoLevelAllocator
+from kvserve.memory.baselines import POLICIES, policy_layout
+from kvserve.memory.layer_types import RequestKV, SpecManager, make_spec_manager
+from kvserve.memory.prefix_cache import ImageInput, extend_block_hashes
+from kvserve.memory.spec import KVSpec, Layout
+
+
+@dataclass
+class SpecStats:
+    name: str
+    page_bytes: int
+    used: int  # bytes of pages in use by requests
+    evictable: int  # bytes of cached pages nobody uses
+    empty: int  # bytes of empty small pages inside large pages the spec holds
+    ideal: int  # bytes the requests' live tokens need, at byte granularity
+    waste: int  # used + empty - ideal: unused pages in held large pages + unused slots
+
+
+@dataclass
+class Stats:
+    policy: str
+    pool_bytes: int
+    free: int  # bytes of free large pages
+    specs: list[SpecStats]
+    queried_tokens: int
+    hit_tokens: int
+
+    @property
+    def used(self) -> int:
+        return sum(s.used for s in self.specs)
+
+    @property
+    def ideal(self) -> int:
+        return sum(s.ideal for s in self.specs)
+
+    @property
+    def waste(self) -> int:
+        return sum(s.waste for s in self.specs)
+
+    @property
+    def evictable(self) -> int:
+        return sum(s.evictable for s in self.specs)
+
+    @property
+    def waste_fraction(self) -> float:
+        held = sum(s.used + s.empty for s in self.specs)
+        return self.waste / held if held else 0.0
+
+
+class KVCacheManager:
+    """Heterogeneous paged KV cache with per-layer-type prefix caching."""
+
+    def __init__(
+        self,
+        specs: Sequence[KVSpec],
+        pool_bytes: int,
+        tokens_per_page: int = 16,
+        policy: str = "jenga",
+        enable_caching: bool = True,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
+        self.model_specs = tuple(specs)
+        self.policy = policy
+        self.layout: Layout
+        self.layout, partitioned, members = policy_layout(policy, self.model_specs, tokens_per_page)
+        num_large = pool_bytes // self.layout.large_page_bytes
+        if num_large < 1:
+            raise ValueError(
+                f"pool of {pool_bytes} B holds no large page of {self.layout.large_page_bytes} B"
+            )
+        self.pool_bytes = num_large * self.layout.large_page_bytes
+        self.T = tokens_per_page
+        self.enable_caching = enable_caching
+        self.alloc = TwoLevelAllocator(self.layout, num_large, partitioned)
+        self.managers: list[SpecManager] = [
+            make_spec_manager(s, spec, self.alloc, self.T)
+            for s, spec in enumerate(self.layout.specs)
+        ]
+        # The model's own rules, used only to account what the tokens need.
+        self._ideal_rules = [make_spec_manager(-1, spec, None, self.T) for spec in specs]
+        self._members = {
+            name: [i for i, s in enumerate(specs) if s.name in names]
+            for name, names in members.items()
+        }
+        self.reqs: dict[RequestId, RequestKV] = {}
+        self.now = 0
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    @property
+    def num_large_pages(self) -> int:
+        return self.alloc.num_large
+
+    def begin_step(self) -> int:
+        self.now += 1
+        return self.now
+
+    # --------------------------------------------------------------- requests
+
+    def add_request(
+        self, req_id: RequestId, tokens: Sequence[int], images: Sequence[ImageInput] = ()
+    ) -> None:
+        if req_id in self.reqs:
+            raise ValueError(f"request {req_id!r} is already known")
+        if not tokens:
+            raise ValueError(f"request {req_id!r} has no tokens")
+        n = len(self.managers)
+        self.reqs[req_id] = RequestKV(
+            req_id, tokens, tuple(images),
+            tables=[[] for _ in range(n)], released=[0] * n, pending=[[] for _ in range(n)],
+        )
+
+    def _req(self, req_id: RequestId) -> RequestKV:
+        try:
+            return self.reqs[req_id]
+        except KeyError:
+            raise KeyError(f"unknown request {req_id!r}") from None
+
+    def lookup(self, req_id: RequestId) -> int:
+        """Take the longest cached prefix valid for every spec; returns its tokens.
+
+        Must come before the request's first allocation. The hit pages of
+        every spec are claimed here, so no later allocation can evict them.
+        """
+        r = self._req(req_id)
+        if r.num_alloc or any(r.tables):
+            raise RuntimeError(f"lookup of {req_id!r} after its first allocation")
+        self.queried_tokens += len(r.tokens)
+        q = 0
+        if self.enable_caching:
+            extend_block_hashes(r.hashes, r.tokens, self.T, r.images)
+            q = self._longest_common_hit(r, (len(r.tokens) - 1) // self.T)
+        for m in self.managers:
+            m.claim_hit(r, q)
+        r.num_hit = r.num_computed = r.num_alloc = q * self.T
+        self.hit_tokens += r.num_hit
+        return r.num_hit
+
+    def _longest_common_hit(self, r: RequestKV, p: int) -> int:
+        """Intersect every spec's possible prefixes: shrink p to a fixed point."""
+        while True:
+            q = p
+            for m in self.managers:
+                q = m.longest_hit(r, q)
+            if q == p:
+                return q
+            p = q
+
+    def allocate_slots(self, req_id: RequestId, num_new_tokens: int) -> bool:
+        """Give the next `num_new_tokens` tokens slots; False (and no change) if full."""
+        r = self._req(req_id)
+        upto = r.num_computed + num_new_tokens
+        if num_new_tokens <= 0 or upto > len(r.tokens):
+            raise ValueError(
+                f"request {req_id!r}: cannot allocate {num_new_tokens} tokens at position "
+                f"{r.num_computed} of {len(r.tokens)} known tokens"
+            )
+        if upto <= r.num_alloc:
+            return True
+        needs = [(m.s, m.num_new_pages(r, upto)) for m in self.managers]
+        try:
+            pages = self.alloc.allocate(req_id, needs)
+        except OutOfPages:
+            return False
+        for m, pids in zip(self.managers, pages):
+            m.install(r, pids, upto)
+        r.num_alloc = upto
+        return True
+
+    def advance(self, req_id: RequestId, num_tokens: int) -> None:
+        """The KV of the next `num_tokens` tokens has been written."""
+        r = self._req(req_id)
+        done = r.num_computed + num_tokens
+        if num_tokens <= 0 or done > r.num_alloc:
+            raise ValueError(
+                f"request {req_id!r}: advance by {num_tokens} past its {r.num_alloc} slots"
+            )
+        if self.enable_caching:
+            extend_block_hashes(r.hashes, r.tokens[:done], self.T, r.images)
+            for m in self.managers:
+                m.advance(r, done, self.now)
+        else:
+            for m in self.managers:
+                m.release_inactive(r, done, self.now)
+        r.num_computed = done
+
+    def finish(self, req_id: RequestId) -> None:
+        """Release every page; those holding hashed KV stay as evictable cache."""
+        r = self.reqs.pop(req_id, None)
+        if r is None:
+            raise KeyError(f"unknown request {req_id!r}")
+        for m in self.managers:
+            m.free_all(r, self.now)
+        self.alloc.forget_request(req_id)
+
+    abort = finish  # an abort keeps what was computed: it is valid KV
+
+    # ------------------------------------------------------------ model runner
+
+    def block_tables(self, req_id: RequestId) -> dict[str, list[int]]:
+        """Per-spec page ids (NO_PAGE = -1 where a page was released)."""
+        r = self._req(req_id)
+        return {m.spec.name: list(r.tables[m.s]) for m in self.managers}
+
+    def pending_copies(self, req_id: RequestId, spec_name: str) -> list[tuple[int, int]]:
+        """Mamba: (token position, page) snapshots to take; position 0 = restore."""
+        r = self._req(req_id)
+        return list(r.pending[self.layout.index(spec_name)])
+
+    def num_computed(self, req_id: RequestId) -> int:
+        return self._req(req_id).num_computed
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> Stats:
+        """Bytes per spec; the ideal is what the model's own rules need, per policy alike."""
+        ideal = self._ideal_by_model_spec()
+        out = []
+        for m in self.managers:
+            sp, pb = self.alloc.specs[m.s], self.layout.page_bytes[m.s]
+            need = sum(ideal[i] for i in self._members[m.spec.name])
+            used, empty = sp.n_used * pb, sp.n_empty * pb
+            out.append(SpecStats(m.spec.name, pb, used, sp.n_evictable * pb, empty, need,
+                                 used + empty - need))
+        free = self.alloc.num_free_large() * self.layout.large_page_bytes
+        return Stats(self.policy, self.pool_bytes, free, out, self.queried_tokens, self.hit_tokens)
+
+    def _ideal_by_model_spec(self) -> list[int]:
+        out = []
+        for rules in self._ideal_rules:
+            slots: dict[object, int] = {}
+            for r in self.reqs.values():
+                slots.update(rules.live_slots(r))
+            spec = rules.spec
+            per_slot = spec.token_bytes() or spec.page_bytes(self.T)
+            out.append(sum(slots.values()) * per_slot)
+        return out

@@ -1,0 +1,55 @@
+"""Shared checks of the memory core's invariants."""
+
+from collections import Counter
+
+from kvserve.memory import KVCacheManager
+from kvserve.memory.allocator import EMPTY, EVICTABLE, USED
+
+
+def check_invariants(mgr: KVCacheManager) -> None:
+    """No page owned twice, ref counts match holders, bytes conserved."""
+    alloc = mgr.alloc
+    layout = mgr.layout
+    held = sum(
+        (sp.n_used + sp.n_evictable + sp.n_empty) * pb
+        for sp, pb in zip(alloc.specs, layout.page_bytes)
+    )
+    assert held + alloc.num_free_large() * layout.large_page_bytes == mgr.pool_bytes
+    free = [lp for part in alloc.free_large for lp in part]
+    assert len(free) == len(set(free)), "a large page is free twice"
+    assert all(alloc.owner[lp] == -1 for lp in free)
+    for s, sp in enumerate(alloc.specs):
+        holders = Counter()
+        for r in mgr.reqs.values():
+            holders.update(p for p in r.tables[s] if p >= 0)
+            holders.update(pid for pos, pid in r.pending[s] if _pending_is_page(mgr, s))
+        owned = [lp for lp in range(alloc.num_large) if alloc.owner[lp] == s]
+        assert len(owned) == sp.n_large
+        counts = Counter()
+        for lp in owned:
+            used = 0
+            for pid in range(lp * sp.k, lp * sp.k + sp.k):
+                st = sp.state[pid]
+                counts[st] += 1
+                assert sp.ref[pid] == holders.get(pid, 0), f"spec {s} page {pid} ref"
+                assert (st == USED) == (sp.ref[pid] > 0)
+                if st == EVICTABLE:
+                    assert sp.hash[pid] is not None
+                if st == EMPTY:
+                    assert sp.hash[pid] is None
+                    assert pid in sp.empties.get(lp, ())
+                used += st == USED
+            assert alloc.used[lp] == used
+        assert counts[USED] == sp.n_used and counts[EVICTABLE] == sp.n_evictable
+        assert counts[EMPTY] == sp.n_empty
+        assert sp.n_unused_large == sum(1 for lp in owned if alloc.used[lp] == 0)
+        for pid in holders:
+            assert alloc.owner[pid // sp.k] == s, "a request holds a page of a foreign large page"
+        for h, pid in sp.cached.items():
+            assert sp.hash[pid] == h and sp.state[pid] != EMPTY
+
+
+def _pending_is_page(mgr: KVCacheManager, s: int) -> bool:
+    from kvserve.memory import LayerKind
+
+    return mgr.layout.specs[s].kind is LayerKind.MAMBA

@@ -1,0 +1,192 @@
+"""Hypothesis state machine over random interleavings of every spec kind.
+
+Pages carry fake content: the token ids (and image signature) written into
+each slot, so a reported prefix hit can be checked against the request's own
+tokens, and a stale cache entry would show up as wrong content.
+"""
+
+import copy
+import math
+
+from conftest import check_invariants
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvserve.memory import NO_PAGE, ImageInput, KVCacheManager, KVSpec, LayerKind
+
+T = 8
+SPECS = [
+    KVSpec("full", LayerKind.FULL, 2, 64),
+    KVSpec("draft", LayerKind.FULL, 1, 32),
+    KVSpec("swa", LayerKind.SLIDING, 3, 32, window=20),
+    KVSpec("chunked", LayerKind.CHUNKED, 1, 64, chunk=32),
+    KVSpec("mamba", LayerKind.MAMBA, 1, 1536, checkpoint_every=24),
+    KVSpec("cross", LayerKind.CROSS, 2, 48),
+    KVSpec("vision", LayerKind.VISION, 1, 16),
+]
+KIND = {i: s.kind for i, s in enumerate(SPECS)}
+BASES = [[(7 * i + j) % 23 + 1 for j in range(90)] for i in range(3)]
+IMAGES = ["img-a", "img-b"]
+
+
+def snapshot(mgr: KVCacheManager):
+    a = mgr.alloc
+    specs = [
+        (list(sp.ref), bytes(sp.state), list(sp.hash), dict(sp.cached),
+         {k: sorted(v) for k, v in sp.empties.items()}, sorted(sp.partial),
+         sp.n_used, sp.n_evictable, sp.n_empty, sp.n_unused_large, sp.n_large)
+        for sp in a.specs
+    ]
+    reqs = {k: (copy.deepcopy(r.tables), r.num_alloc, copy.deepcopy(r.pending))
+            for k, r in mgr.reqs.items()}
+    return specs, list(a.owner), list(a.used), sorted(sum(a.free_large, [])), reqs
+
+
+class MemoryCore(RuleBasedStateMachine):
+    @initialize(policy=st.sampled_from(["jenga", "jenga", "static", "max_page"]),
+                large_pages=st.integers(8, 40))
+    def setup(self, policy, large_pages):
+        probe = KVCacheManager(SPECS, 1 << 30, tokens_per_page=T, policy=policy)
+        self.mgr = KVCacheManager(
+            SPECS, probe.layout.large_page_bytes * large_pages, tokens_per_page=T, policy=policy
+        )
+        self.content = {}  # (spec, pid) -> {slot: identity}
+        self.prompt_len = {}
+        self.next_id = 0
+
+    # ------------------------------------------------------------ helpers
+
+    def identity(self, r, pos):
+        """What a text slot holds: the token and every image hashed into its chain."""
+        end = (pos // T + 1) * T
+        return (r.tokens[pos], tuple(im.content_hash for im in r.images if im.offset < end))
+
+    def write(self, rid, lo, hi):
+        """Play the model runner: fill the slots of positions [lo, hi)."""
+        r = self.mgr.reqs[rid]
+        for s, spec in enumerate(SPECS):
+            table = r.tables[s]
+            if spec.kind in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED):
+                for pos in range(lo, hi):
+                    pid = table[pos // T]
+                    assert pid != NO_PAGE, f"{spec.name}: no page for position {pos}"
+                    self.content.setdefault((s, pid), {})[pos % T] = self.identity(r, pos)
+            elif spec.kind is LayerKind.MAMBA:
+                for pos, pid in r.pending[s]:
+                    if lo < pos <= hi:
+                        self.content[(s, pid)] = tuple(self.identity(r, p) for p in range(pos))
+            else:
+                for i, _ in r.pending[s]:
+                    im = r.images[i]
+                    start = sum(-(-x.num_tokens // T) for x in r.images[:i])
+                    for j in range(-(-im.num_tokens // T)):
+                        self.content[(s, table[start + j])] = (im.content_hash, j)
+
+    def check_hit(self, rid, hit):
+        r = self.mgr.reqs[rid]
+        for s, spec in enumerate(SPECS):
+            table = r.tables[s]
+            if spec.kind in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED):
+                first = self.mgr.managers[s].window_start(hit)
+                for pos in range(first, hit):
+                    got = self.content[(s, table[pos // T])].get(pos % T)
+                    assert got == self.identity(r, pos), f"{spec.name} hit holds wrong KV"
+            elif spec.kind is LayerKind.MAMBA and hit:
+                (pos, pid), = r.pending[s]
+                assert pos == 0 and hit % spec.checkpoint_every == 0
+                want = tuple(self.identity(r, p) for p in range(hit))
+                assert self.content[(s, pid)] == want, "mamba checkpoint holds a wrong state"
+            elif spec.kind in (LayerKind.CROSS, LayerKind.VISION):
+                start = 0
+                for im in r.images:
+                    n = -(-im.num_tokens // T)
+                    for j, pid in enumerate(table[start:start + n]):
+                        if pid != NO_PAGE:
+                            assert self.content[(s, pid)] == (im.content_hash, j)
+                    start += n
+
+    # -------------------------------------------------------------- rules
+
+    @rule(base=st.integers(0, 2), keep=st.integers(0, 90),
+          suffix=st.lists(st.integers(1, 5), max_size=30),
+          image=st.one_of(st.none(), st.tuples(st.sampled_from(IMAGES), st.integers(0, 60),
+                                               st.integers(3, 20))))
+    def arrive(self, base, keep, suffix, image):
+        tokens = BASES[base][:keep] + suffix
+        if len(tokens) < 2:
+            tokens += [9, 9]
+        images = []
+        if image is not None:
+            h, off, n = image
+            off = min(off, len(tokens) - 1)
+            n = min(n, len(tokens) - off)
+            images.append(ImageInput(h, off, n))
+        rid = self.next_id
+        self.next_id += 1
+        self.mgr.add_request(rid, tokens, images)
+        hit = self.mgr.lookup(rid)
+        assert 0 <= hit < len(tokens) and hit % T == 0
+        self.check_hit(rid, hit)
+        self.prompt_len[rid] = len(tokens)
+
+    @precondition(lambda self: self.mgr.reqs)
+    @rule(pick=st.integers(0, 1 << 16), chunk=st.integers(1, 40), token=st.integers(1, 5))
+    def step(self, pick, chunk, token):
+        mgr = self.mgr
+        rid = sorted(mgr.reqs)[pick % len(mgr.reqs)]
+        r = mgr.reqs[rid]
+        mgr.begin_step()
+        c = r.num_computed
+        n = min(chunk, len(r.tokens) - c) if c < len(r.tokens) else 0
+        if n == 0:  # decode: the last sampled token joins the sequence
+            r.tokens.append(token)
+            n = 1
+        before = snapshot(mgr)
+        if not mgr.allocate_slots(rid, n):
+            assert snapshot(mgr) == before, "a failed allocation changed state"
+            return
+        self.write(rid, c, c + n)
+        mgr.advance(rid, n)
+
+    @precondition(lambda self: self.mgr.reqs)
+    @rule(pick=st.integers(0, 1 << 16), abort=st.booleans())
+    def finish(self, pick, abort):
+        rid = sorted(self.mgr.reqs)[pick % len(self.mgr.reqs)]
+        self.mgr.begin_step()
+        (self.mgr.abort if abort else self.mgr.finish)(rid)
+        assert rid not in self.mgr.reqs
+
+    # --------------------------------------------------------- invariants
+
+    @invariant()
+    def pages_are_consistent(self):
+        check_invariants(self.mgr)
+
+    @invariant()
+    def windows_stay_bounded(self):
+        for r in self.mgr.reqs.values():
+            if r.num_alloc != r.num_computed:
+                continue
+            for s, spec in enumerate(SPECS):
+                held = sum(1 for p in r.tables[s] if p != NO_PAGE)
+                if spec.kind is LayerKind.SLIDING:
+                    assert held <= math.ceil(spec.window / T) + 1
+                if spec.kind is LayerKind.CHUNKED:
+                    assert held <= spec.chunk // T + 1
+                if spec.kind is LayerKind.MAMBA:
+                    assert held <= 1
+
+    @invariant()
+    def stats_add_up(self):
+        st_ = self.mgr.stats()
+        total = st_.free + sum(s.used + s.evictable + s.empty for s in st_.specs)
+        assert total == self.mgr.pool_bytes
+        assert st_.hit_tokens <= st_.queried_tokens
+
+
+MemoryCore.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestMemoryCore = MemoryCore.TestCase
