@@ -40,6 +40,7 @@ def check_invariants(mgr: KVCacheManager) -> None:
                     assert pid in sp.empties.get(lp, ())
                 used += st == USED
             assert alloc.used[lp] == used
+            assert (lp in sp.holes) == (lp in sp.empties and used > 0)
         assert counts[USED] == sp.n_used and counts[EVICTABLE] == sp.n_evictable
         assert counts[EMPTY] == sp.n_empty
         assert sp.n_unused_large == sum(1 for lp in owned if alloc.used[lp] == 0)

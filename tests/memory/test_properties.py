@@ -34,7 +34,7 @@ def snapshot(mgr: KVCacheManager):
     a = mgr.alloc
     specs = [
         (list(sp.ref), bytes(sp.state), list(sp.hash), dict(sp.cached),
-         {k: sorted(v) for k, v in sp.empties.items()}, sorted(sp.partial),
+         {k: sorted(v) for k, v in sp.empties.items()}, sorted(sp.holes),
          sp.n_used, sp.n_evictable, sp.n_empty, sp.n_unused_large, sp.n_large)
         for sp in a.specs
     ]

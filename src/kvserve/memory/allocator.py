@@ -54,7 +54,7 @@ class SpecPages:
         self.cached: dict[Hashable, int] = {}
         self.heap: list[tuple[int, int, int, int]] = []  # (last, -plen, pid, stamp)
         self.empties: dict[int, list[int]] = {}  # owned large page -> its empty pages
-        self.partial: dict[int, None] = {}  # owned large pages with an empty page
+        self.holes: dict[int, None] = {}  # large pages with empty AND used pages
         self.by_req: dict[RequestId, dict[int, None]] = {}  # request -> its partial pages
         self.n_used = 0
         self.n_evictable = 0
@@ -123,24 +123,42 @@ class TwoLevelAllocator:
         pages that are in use, which succeeds exactly when the pool can hold
         the request at all.
         """
-        worst: dict[int, int] = {}
-        exact: dict[int, int] = {}
+        if self._fits_in_free_pages(req, needs):
+            return False
+        nparts = len(self.free_large)
+        worst, exact = [0] * nparts, [0] * nparts
         for s, n in needs:
             if n <= 0:
                 continue
             sp = self.specs[s]
             p = self.part[s]
-            own_unused = sum(1 for lp in sp.by_req.get(req, ()) if self.used[lp] == 0)
-            worst[p] = worst.get(p, 0) + -(-n // sp.k) + own_unused
+            mine = sp.by_req.get(req)
+            own_unused = sum(1 for lp in mine if self.used[lp] == 0) if mine else 0
+            worst[p] += -(-n // sp.k) + own_unused
             short = max(0, n - sp.spare_in_used_large())
-            exact[p] = exact.get(p, 0) + -(-short // sp.k)
+            exact[p] += -(-short // sp.k)
         supply = self._supply()
-        if all(w <= supply[p] for p, w in worst.items()):
+        if all(worst[p] <= supply[p] for p in range(nparts)):
             return False
-        if all(e <= supply[p] for p, e in exact.items()):
+        if all(exact[p] <= supply[p] for p in range(nparts)):
             return True
         need = {self.layout.specs[s].name: n for s, n in needs}
         raise OutOfPages(f"cannot allocate {need} small pages: pool exhausted")
+
+    def _fits_in_free_pages(self, req: RequestId, needs: Sequence[tuple[int, int]]) -> bool:
+        """Fast path of _plan: the free large pages alone cover the worst case."""
+        if len(self.free_large) != 1:
+            return False
+        worst = 0
+        used = self.used
+        for s, n in needs:
+            if n > 0:
+                sp = self.specs[s]
+                worst += -(-n // sp.k)
+                mine = sp.by_req.get(req)
+                if mine:
+                    worst += sum(1 for lp in mine if used[lp] == 0)
+        return worst <= len(self.free_large[0])
 
     def _supply(self) -> list[int]:
         """Whole large pages each partition can hand out: free or evictable."""
@@ -159,10 +177,9 @@ class TwoLevelAllocator:
         while len(out) < n:
             if not tight and self._take_own(sp, req, n, out):
                 continue
-            lp = self._fresh_large(s, req)
-            if lp is None:
+            self._take_whole_free(s, req, (n - len(out)) // sp.k, out)
+            if len(out) < n and not self._fresh_large(s, req, n - len(out), out):
                 break
-            self._take_from(sp, lp, n - len(out), out)
         if len(out) < n:  # steps 4 and 5: no whole large page is left
             self._take_holes(s, n, out)
         assert len(out) == n, "allocation plan was wrong"
@@ -194,11 +211,35 @@ class TwoLevelAllocator:
         sp.n_used += cnt
         sp.n_empty -= cnt
         if cnt == len(empties):
-            self._drop_partial(sp, lp)
+            self._drop_empties(sp, lp)
         else:
             del empties[-cnt:]
+            sp.holes[lp] = None
 
-    def _fresh_large(self, s: int, req: RequestId) -> int | None:
+    def _take_whole_free(self, s: int, req: RequestId, m: int, out: list[int]) -> None:
+        """Step 2 in bulk: up to m free large pages, every small page used."""
+        free = self.free_large[self.part[s]]
+        m = min(m, len(free))
+        if m <= 0:
+            return
+        lps = free[-m:]
+        del free[-m:]
+        sp = self.specs[s]
+        k = sp.k
+        ones, used_bytes = [1] * k, bytes([USED]) * k
+        ref, state, owner, used, assoc = sp.ref, sp.state, self.owner, self.used, self.assoc
+        for lp in lps:
+            base = lp * k
+            ref[base:base + k] = ones
+            state[base:base + k] = used_bytes
+            out.extend(range(base, base + k))
+            owner[lp] = s
+            used[lp] = k
+            assoc[lp] = req
+        sp.n_large += m
+        sp.n_used += m * k
+
+    def _fresh_large(self, s: int, req: RequestId, want: int, out: list[int]) -> bool:
         """Steps 2 and 3: a free large page, else evict the LRU unused one."""
         p = self.part[s]
         free = self.free_large[p]
@@ -207,10 +248,10 @@ class TwoLevelAllocator:
         else:
             lp = self._pop_lru_large(p)
             if lp is None:
-                return None
+                return False
             self._evict_large(lp)
-        self._assign(s, lp, req)
-        return lp
+        self._assign(s, lp, req, want, out)
+        return True
 
     def _pop_lru_large(self, p: int) -> int | None:
         heap = self.lheap[p]
@@ -232,23 +273,28 @@ class TwoLevelAllocator:
             else:
                 sp.n_empty -= 1
             sp.state[pid] = EMPTY
-        self._drop_partial(sp, lp)
+        self._drop_empties(sp, lp)
         self._detach(s, lp)
 
-    def _assign(self, s: int, lp: int, req: RequestId) -> None:
+    def _assign(self, s: int, lp: int, req: RequestId, want: int, out: list[int]) -> None:
+        """Hand a cleared large page to spec s for `req`; take `want` pages of it."""
         sp = self.specs[s]
-        base = lp * sp.k
+        k = sp.k
+        base = lp * k
+        take = min(want, k)
+        sp.ref[base:base + take] = [1] * take
+        sp.state[base:base + take] = bytes([USED]) * take
+        out.extend(range(base, base + take))
         self.owner[lp] = s
         self.assoc[lp] = req
-        self.used[lp] = 0
-        self.ltime[lp] = 0
-        self.lstamp[lp] += 1
+        self.used[lp] = take
         sp.n_large += 1
-        sp.n_unused_large += 1
-        sp.n_empty += sp.k
-        sp.empties[lp] = list(range(base + sp.k - 1, base - 1, -1))
-        sp.partial[lp] = None
-        sp.by_req.setdefault(req, {})[lp] = None
+        sp.n_used += take
+        if take < k:  # the rest stays with the request (§4.3)
+            sp.n_empty += k - take
+            sp.empties[lp] = list(range(base + k - 1, base + take - 1, -1))
+            sp.holes[lp] = None
+            sp.by_req.setdefault(req, {})[lp] = None
 
     def _detach(self, s: int, lp: int) -> None:
         """The spec gives up an unused large page (its pages already cleared)."""
@@ -257,7 +303,8 @@ class TwoLevelAllocator:
         sp.n_unused_large -= 1
         self.owner[lp] = -1
         self.assoc[lp] = None
-        self.lstamp[lp] += 1
+        self.ltime[lp] = 0
+        self.lstamp[lp] += 1  # drops its stale LRU entries
 
     def _release_large(self, s: int, lp: int) -> None:
         self._detach(s, lp)
@@ -271,10 +318,8 @@ class TwoLevelAllocator:
         pages whole for the other specs of the same allocation.
         """
         sp = self.specs[s]
-        for lp in [lp for lp in sp.partial if self.used[lp] > 0]:
-            if len(out) >= n:
-                return
-            self._take_from(sp, lp, n - len(out), out)
+        while len(out) < n and sp.holes:
+            self._take_from(sp, next(iter(sp.holes)), n - len(out), out)
         skipped = []
         while len(out) < n and sp.heap:
             entry = heapq.heappop(sp.heap)
@@ -312,62 +357,122 @@ class TwoLevelAllocator:
                 if self.used[lp] == 0:
                     sp.n_unused_large -= 1
                     self.lstamp[lp] += 1
+                    if lp in sp.empties:
+                        sp.holes[lp] = None
                 self.used[lp] += 1
             sp.ref[pid] += 1
 
     def free(self, s: int, pids: Sequence[int], now: int) -> None:
-        """Drop one reference per page; last users leave pages evictable or empty."""
-        sp = self.specs[s]
-        ref, last = sp.ref, sp.last
-        for pid in pids:
-            if last[pid] < now:
-                last[pid] = now
-            r = ref[pid] - 1
-            if r < 0:
-                raise ValueError(f"double free of page {pid} of spec {s}")
-            ref[pid] = r
-            if r == 0:
-                self._unuse(s, sp, pid)
+        """Drop one reference per page; last users leave pages evictable or empty.
 
-    def _unuse(self, s: int, sp: SpecPages, pid: int) -> None:
+        `now` is the step of the release; steps only grow, so the last
+        release is the page's last access.
+        """
+        sp = self.specs[s]
+        ref, last, hashes = sp.ref, sp.last, sp.hash
+        emptied = []
+        for pid in pids:
+            r = ref[pid] - 1
+            ref[pid] = r
+            if r <= 0:
+                if r < 0:
+                    ref[pid] = 0
+                    raise ValueError(f"double free of page {pid} of spec {s}")
+                last[pid] = now
+                if hashes[pid] is None:
+                    emptied.append(pid)
+                else:
+                    self._to_evictable(s, sp, pid)
+        if emptied:
+            self._empty_runs(s, sp, emptied)
+
+    def _empty_runs(self, s: int, sp: SpecPages, emptied: list[int]) -> None:
+        """Group pages by large page; a request's pages mostly come in whole runs."""
+        k, i, n = sp.k, 0, len(emptied)
+        while i < n:
+            pid = emptied[i]
+            lp = pid // k
+            j = i + k
+            if pid % k == 0 and j <= n and emptied[i:j] == list(range(pid, pid + k)):
+                self._release_whole(s, sp, lp)
+                i = j
+                continue
+            j = i + 1
+            while j < n and emptied[j] // k == lp:
+                j += 1
+            self._to_empty(s, sp, lp, emptied[i:j])
+            i = j
+
+    def _release_whole(self, s: int, sp: SpecPages, lp: int) -> None:
+        """Every page of the large page just became empty: back to the free list."""
+        k = sp.k
+        sp.n_used -= k
+        sp.n_large -= 1
+        sp.state[lp * k:lp * k + k] = bytes(k)
+        self.used[lp] = 0
+        self.owner[lp] = -1
+        self.ltime[lp] = 0
+        self.lstamp[lp] += 1
+        self.free_large[self.part[s]].append(lp)
+
+    def _to_evictable(self, s: int, sp: SpecPages, pid: int) -> None:
         lp = pid // sp.k
         sp.n_used -= 1
-        left = self.used[lp] - 1
-        self.used[lp] = left
-        if sp.hash[pid] is not None:
-            sp.state[pid] = EVICTABLE
-            sp.n_evictable += 1
-            sp.stamp[pid] += 1
-            heapq.heappush(sp.heap, (sp.last[pid], -sp.plen[pid], pid, sp.stamp[pid]))
-            if self.ltime[lp] < sp.last[pid]:
-                self.ltime[lp] = sp.last[pid]
-        else:
-            sp.state[pid] = EMPTY
-            sp.n_empty += 1
-            empties = sp.empties.get(lp)
-            if empties is None:
-                sp.empties[lp] = [pid]
-                sp.partial[lp] = None
-                mine = sp.by_req.get(self.assoc[lp])
-                if mine is not None:
-                    mine[lp] = None
-            else:
-                empties.append(pid)
-                if len(empties) == sp.k:  # every page empty: hand the large page back
-                    sp.n_empty -= sp.k
-                    self._drop_partial(sp, lp)
-                    sp.n_unused_large += 1
-                    self._release_large(s, lp)
-                    return
-        if left == 0:
-            sp.n_unused_large += 1
-            self.lstamp[lp] += 1
-            heapq.heappush(self.lheap[self.part[s]], (self.ltime[lp], lp, self.lstamp[lp]))
+        self.used[lp] -= 1
+        sp.state[pid] = EVICTABLE
+        sp.n_evictable += 1
+        sp.stamp[pid] += 1
+        t = sp.last[pid]
+        heapq.heappush(sp.heap, (t, -sp.plen[pid], pid, sp.stamp[pid]))
+        if self.ltime[lp] < t:
+            self.ltime[lp] = t
+        if self.used[lp] == 0:
+            self._became_unused(s, sp, lp)
 
-    def _drop_partial(self, sp: SpecPages, lp: int) -> None:
+    def _to_empty(self, s: int, sp: SpecPages, lp: int, run: list[int]) -> None:
+        """Pages of one large page lost their last user and hold no cached KV."""
+        c = len(run)
+        if c == sp.k:
+            self._release_whole(s, sp, lp)
+            return
+        sp.n_used -= c
+        left = self.used[lp] - c
+        self.used[lp] = left
+        state = sp.state
+        for pid in run:
+            state[pid] = EMPTY
+        empties = sp.empties.get(lp)
+        have = len(empties) if empties is not None else 0
+        if left == 0 and have + c == sp.k:  # every page empty: hand the large page back
+            sp.n_empty -= have
+            self._drop_empties(sp, lp)
+            sp.n_unused_large += 1
+            self._release_large(s, lp)
+            return
+        sp.n_empty += c
+        if empties is None:
+            sp.empties[lp] = run
+            mine = sp.by_req.get(self.assoc[lp])
+            if mine is not None:
+                mine[lp] = None
+        else:
+            empties.extend(run)
+        if left:
+            sp.holes[lp] = None
+        else:
+            self._became_unused(s, sp, lp)
+
+    def _became_unused(self, s: int, sp: SpecPages, lp: int) -> None:
+        """No used page left, some cached: the large page can be evicted whole."""
+        sp.holes.pop(lp, None)
+        sp.n_unused_large += 1
+        self.lstamp[lp] += 1
+        heapq.heappush(self.lheap[self.part[s]], (self.ltime[lp], lp, self.lstamp[lp]))
+
+    def _drop_empties(self, sp: SpecPages, lp: int) -> None:
         if sp.empties.pop(lp, None) is None:
             return
-        del sp.partial[lp]
+        sp.holes.pop(lp, None)
         mine = sp.by_req.get(self.assoc[lp])
         if mine is not None:
             mine.pop(lp, None)
