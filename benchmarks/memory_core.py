@@ -59,50 +59,52 @@ def _full_only(num_pages: int) -> KVCacheManager:
     return KVCacheManager(spec, num_pages * T * KiB, tokens_per_page=T)
 
 
+def _serve(mgr: KVCacheManager, rid: object, prompt: list[int]) -> None:
+    mgr.add_request(rid, prompt)
+    mgr.lookup(rid)
+    mgr.begin_step()
+    assert mgr.allocate_slots(rid, len(prompt))
+    mgr.advance(rid, len(prompt))
+    mgr.finish(rid)
+
+
 def bench_prefix_hit(num_pages: int, prompt_pages: int) -> float:
-    """µs per page to hash a prompt and claim its cached pages."""
+    """µs per page to hash a prompt, find its cached pages and claim them."""
     mgr = _full_only(num_pages)
-    prompts = [[random.randrange(50000) for _ in range(prompt_pages * T)] for _ in range(8)]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(50000) for _ in range(prompt_pages * T)] for _ in range(8)]
     for i, p in enumerate(prompts):
-        mgr.add_request(("warm", i), p + [0])
-        mgr.lookup(("warm", i))
-        mgr.allocate_slots(("warm", i), len(p))
-        mgr.advance(("warm", i), len(p))
-        mgr.finish(("warm", i))
-    n = 0
-    t0 = time.perf_counter()
-    for i in range(200):
+        _serve(mgr, ("warm", i), p + [0])
+    rounds, elapsed, pages = 200, 0.0, 0
+    for i in range(rounds):
         rid = ("hit", i)
         mgr.add_request(rid, prompts[i % 8] + [1])
-        n += mgr.lookup(rid) // T
+        t0 = time.perf_counter()
+        pages += mgr.lookup(rid) // T
+        elapsed += time.perf_counter() - t0
         mgr.finish(rid)
-    return (time.perf_counter() - t0) / n * 1e6
+    assert pages == rounds * prompt_pages
+    return elapsed / pages * 1e6
 
 
 def bench_evict_alloc(num_pages: int, prompt_pages: int) -> float:
-    """µs per page to allocate, write and cache new prompts in a pool full of cache."""
+    """µs per page to serve new prompts in a pool full of cache: hash, evict,
+    allocate, publish and release, per page."""
     mgr = _full_only(num_pages)
     rng = random.Random(0)
+    n = prompt_pages * T
 
-    def serve(rid: object) -> int:
-        prompt = [rng.randrange(50000) for _ in range(prompt_pages * T)]
-        mgr.add_request(rid, prompt)
-        mgr.lookup(rid)
-        mgr.begin_step()
-        assert mgr.allocate_slots(rid, len(prompt))
-        mgr.advance(rid, len(prompt))
-        mgr.finish(rid)
-        return prompt_pages
+    def prompts(count: int) -> list[list[int]]:
+        return [[rng.randrange(50000) for _ in range(n)] for _ in range(count)]
 
-    filled = 0
-    while filled < num_pages:  # every page evictable cache
-        filled += serve(("fill", filled))
+    for i, p in enumerate(prompts(num_pages // prompt_pages)):
+        _serve(mgr, ("fill", i), p)  # every page now holds evictable cache
     assert mgr.stats().free == 0
-    pages = 0
+    batch = prompts(300)
     t0 = time.perf_counter()
-    for i in range(300):
-        pages += serve(("new", i))
-    return (time.perf_counter() - t0) / pages * 1e6
+    for i, p in enumerate(batch):
+        _serve(mgr, ("new", i), p)
+    return (time.perf_counter() - t0) / (len(batch) * prompt_pages) * 1e6
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The two-level allocator's five-step order, request awareness and out-of-memory paths."""
 
 import pytest
-from conftest import check_invariants
+from invariants import check_invariants
 
 from kvserve.memory import KVCacheManager, KVSpec, LayerKind, OutOfPages, make_layout
 from kvserve.memory.allocator import EVICTABLE, TwoLevelAllocator

@@ -1,7 +1,7 @@
 """KVCacheManager: per-type rules end to end, baselines' waste, bad input."""
 
 import pytest
-from conftest import check_invariants
+from invariants import check_invariants
 
 from kvserve.memory import NO_PAGE, ImageInput, KVCacheManager, KVSpec, LayerKind
 

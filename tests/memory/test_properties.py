@@ -8,10 +8,10 @@ tokens, and a stale cache entry would show up as wrong content.
 import copy
 import math
 
-from conftest import check_invariants
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from invariants import check_invariants
 
 from kvserve.memory import NO_PAGE, ImageInput, KVCacheManager, KVSpec, LayerKind
 

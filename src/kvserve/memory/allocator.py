@@ -177,7 +177,7 @@ class TwoLevelAllocator:
         while len(out) < n:
             if not tight and self._take_own(sp, req, n, out):
                 continue
-            self._take_whole_free(s, req, (n - len(out)) // sp.k, out)
+            self._take_whole(s, req, (n - len(out)) // sp.k, out)
             if len(out) < n and not self._fresh_large(s, req, n - len(out), out):
                 break
         if len(out) < n:  # steps 4 and 5: no whole large page is left
@@ -216,14 +216,22 @@ class TwoLevelAllocator:
             del empties[-cnt:]
             sp.holes[lp] = None
 
-    def _take_whole_free(self, s: int, req: RequestId, m: int, out: list[int]) -> None:
-        """Step 2 in bulk: up to m free large pages, every small page used."""
-        free = self.free_large[self.part[s]]
-        m = min(m, len(free))
+    def _take_whole(self, s: int, req: RequestId, m: int, out: list[int]) -> None:
+        """Steps 2 and 3 in bulk: up to m whole large pages, every small page used."""
         if m <= 0:
             return
-        lps = free[-m:]
-        del free[-m:]
+        p = self.part[s]
+        free = self.free_large[p]
+        take = min(m, len(free))
+        lps = free[len(free) - take:]
+        del free[len(free) - take:]
+        while len(lps) < m:
+            lp = self._pop_lru_large(p)
+            if lp is None:
+                break
+            self._evict_large(lp)
+            lps.append(lp)
+        m = len(lps)
         sp = self.specs[s]
         k = sp.k
         ones, used_bytes = [1] * k, bytes([USED]) * k

@@ -89,6 +89,10 @@ class SpecManager:
     def release_inactive(self, r: RequestKV, c: int, now: int) -> None:
         """Let go of pages no query at position >= c needs."""
 
+    def peak_pages(self, num_tokens: int, chunk: int, images: Sequence[ImageInput]) -> int:
+        """Most pages one request of num_tokens holds when prefilled in chunks."""
+        raise NotImplementedError
+
     def free_all(self, r: RequestKV, now: int) -> None:
         table = r.tables[self.s]
         self.alloc.free(self.s, [p for p in table if p != NO_PAGE], now)
@@ -151,6 +155,13 @@ class TextStream(SpecManager):
 
     def num_new_pages(self, r: RequestKV, upto: int) -> int:
         return max(0, -(-upto // self.T) - len(r.tables[self.s]))
+
+    def peak_pages(self, num_tokens: int, chunk: int, images: Sequence[ImageInput]) -> int:
+        full = -(-num_tokens // self.T)
+        if self.spec.kind is LayerKind.FULL:
+            return full
+        reach = self.spec.window if self.spec.kind is LayerKind.SLIDING else self.spec.chunk
+        return min(full, -(-(reach + chunk) // self.T) + 1)
 
     def install(self, r: RequestKV, pids: list[int], upto: int) -> None:
         r.tables[self.s].extend(pids)
@@ -222,6 +233,9 @@ class MambaState(SpecManager):
         """Checkpoint positions in (lo, hi]."""
         n = self.spec.checkpoint_every
         return range((lo // n + 1) * n, hi + 1, n)
+
+    def peak_pages(self, num_tokens: int, chunk: int, images: Sequence[ImageInput]) -> int:
+        return 1 + -(-chunk // self.spec.checkpoint_every)
 
     def num_new_pages(self, r: RequestKV, upto: int) -> int:
         live = 0 if r.tables[self.s] else 1
@@ -310,6 +324,9 @@ class ImageCache(SpecManager):
             i for i in self._needed(r, r.num_alloc, upto)
             if table[self._span(r, i)][0] == NO_PAGE
         ]
+
+    def peak_pages(self, num_tokens: int, chunk: int, images: Sequence[ImageInput]) -> int:
+        return sum(self._npages(im) for im in images)
 
     def num_new_pages(self, r: RequestKV, upto: int) -> int:
         return sum(self._npages(r.images[i]) for i in self._missing(r, upto))

@@ -196,7 +196,7 @@ class KVCacheManager:
                 f"request {req_id!r}: advance by {num_tokens} past its {r.num_alloc} slots"
             )
         if self.enable_caching:
-            extend_block_hashes(r.hashes, r.tokens[:done], self.T, r.images)
+            extend_block_hashes(r.hashes, r.tokens, self.T, r.images, upto=done)
             for m in self.managers:
                 m.advance(r, done, self.now)
         else:
@@ -214,6 +214,16 @@ class KVCacheManager:
         self.alloc.forget_request(req_id)
 
     abort = finish  # an abort keeps what was computed: it is valid KV
+
+    def fits_alone(
+        self, num_tokens: int, chunk: int, images: Sequence[ImageInput] = ()
+    ) -> bool:
+        """Whether one request of num_tokens fits an otherwise empty pool (chunked prefill)."""
+        large = 0
+        for m in self.managers:
+            pages = m.peak_pages(num_tokens, chunk, images)
+            large += -(-pages // self.layout.pages_per_large[m.s])
+        return large <= self.num_large_pages
 
     # ------------------------------------------------------------ model runner
 

@@ -37,9 +37,10 @@ def extend_block_hashes(
     tokens: Sequence[int],
     block_size: int,
     images: Sequence[ImageInput] = (),
+    upto: int | None = None,
 ) -> None:
-    """Append the hashes of every full block of `tokens` not hashed yet."""
-    nfull = len(tokens) // block_size
+    """Append the hashes of every full block of tokens[:upto] not hashed yet."""
+    nfull = (len(tokens) if upto is None else min(upto, len(tokens))) // block_size
     b = len(hashes)
     prev = hashes[-1] if hashes else 0
     while b < nfull:

@@ -1,0 +1,1 @@
+"""The serving engine: requests, scheduler, model runner, sampler, offline API."""

@@ -1,0 +1,230 @@
+"""LLMEngine: requests in, token/text deltas out, one scheduler step at a time."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.detokenizer import DetokState, detokenize_step, start_state
+from kvserve.engine.request import (
+    CompletionOutput,
+    InvalidRequest,
+    Request,
+    RequestOutput,
+    SamplingParams,
+)
+from kvserve.engine.runner import ModelRunner, attention_specs
+from kvserve.engine.sampler import Sampler
+from kvserve.engine.scheduler import Scheduler
+from kvserve.memory import KVCacheManager
+from kvserve.models.gemma3 import Gemma3ForCausalLM
+from kvserve.models.loader import load_model_files
+
+GiB = 1 << 30
+PromptInput = str | dict | Sequence[int]
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # GGUF file or HF directory; None = Gemma 3 270M
+    kv_memory: int | float | None = None  # bytes, or a fraction of free memory
+    dtype: torch.dtype = torch.float32
+    device: str | None = None
+    tokens_per_page: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    policy: str = "jenga"
+
+
+def resolve_kv_bytes(kv_memory: int | float | None, device: torch.device) -> int:
+    """Bytes for the KV pool: as given, or a fraction of the memory free now."""
+    if isinstance(kv_memory, int) and not isinstance(kv_memory, bool):
+        if kv_memory <= 0:
+            raise ValueError(f"kv_memory must be > 0 bytes, got {kv_memory}")
+        return kv_memory
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if kv_memory is None:  # CPU: a modest default; GPU: most of what is free
+        return int(free * 0.8) if device.type == "cuda" else min(2 * GiB, int(free * 0.2))
+    if not 0 < kv_memory <= 1:
+        raise ValueError(f"a kv_memory fraction must be in (0, 1], got {kv_memory}")
+    return int(free * kv_memory)
+
+
+class LLMEngine:
+    @classmethod
+    def load(cls, cfg: EngineConfig | None = None) -> LLMEngine:
+        """Load cfg.model (default Gemma 3 270M) and build the engine around it."""
+        cfg = cfg or EngineConfig()
+        device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        config, state_dict, tokenizer = load_model_files(cfg.model)
+        model = Gemma3ForCausalLM.from_state_dict(config, state_dict, device, cfg.dtype)
+        return cls(model, tokenizer, cfg)
+
+    def __init__(self, model: Gemma3ForCausalLM, tokenizer, cfg: EngineConfig) -> None:
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        config = self.config = model.config
+        specs, bindings, shape = attention_specs(config, model.dtype)
+        self.kv = KVCacheManager(
+            specs, resolve_kv_bytes(cfg.kv_memory, model.device), cfg.tokens_per_page,
+            policy=cfg.policy, enable_caching=cfg.enable_prefix_caching,
+        )
+        self.runner = ModelRunner(self.model, self.kv, bindings, shape)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.max_model_len = min(cfg.max_model_len or config.max_position_embeddings,
+                                 config.max_position_embeddings)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, DetokState] = {}
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
+
+    # ---------------------------------------------------------------- requests
+
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise InvalidRequest("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        return None, self._check_ids(prompt)
+
+    def _check_ids(self, ids: object) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
+            raise InvalidRequest("prompt_token_ids must be a list of integers")
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"unknown token ids {bad[:5]} (vocabulary has {vocab})")
+        return list(ids)
+
+    def add_request(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None
+    ) -> Request:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        params.validate(self.config.vocab_size)
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {len(ids)} tokens; this model takes at most "
+                f"{self.max_model_len - 1} so that one token can be generated"
+            )
+        if not self.kv.fits_alone(len(ids) + 1, self.cfg.max_num_batched_tokens):
+            raise InvalidRequest(
+                f"the prompt of {len(ids)} tokens needs more KV memory than the pool's "
+                f"{self.kv.pool_bytes / 2**20:.0f} MiB"
+            )
+        req = Request(request_id, text, ids, params, time.monotonic())
+        self.requests[request_id] = req
+        self._detok[request_id] = start_state(ids)
+        self.scheduler.add(req)
+        self.counters["prompt_tokens"] += len(ids)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            req.finish_reason = "abort"
+            self._retire(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns the requests that changed."""
+        batch, failed = self.scheduler.schedule()
+        outputs = []
+        for req in failed:
+            req.finish_reason = "abort"
+            outputs.append(self._retire(req))
+        if not batch:
+            return outputs
+        logits = self.runner.execute(batch)
+        sampled = [s for s in batch if s.completes_prompt]
+        tokens = self.sampler.sample(
+            logits, [s.request.request_id for s in sampled], [s.request.params for s in sampled]
+        )
+        for s in batch:
+            self.kv.advance(s.request.request_id, s.num_tokens)
+            s.request.num_computed += s.num_tokens
+        now = time.monotonic()
+        for s, tok in zip(sampled, tokens):
+            outputs.append(self._append_token(s.request, tok, now))
+        return outputs
+
+    def _append_token(self, req: Request, tok: int, now: float) -> RequestOutput:
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.token_ids.append(tok)
+        self.counters["generation_tokens"] += 1
+        req.text += detokenize_step(self.tokenizer, req.token_ids, self._detok[req.request_id])
+        self._check_stop(req, tok)
+        if req.finish_reason is not None:
+            return self._retire(req)
+        return self._output(req)
+
+    def _check_stop(self, req: Request, tok: int) -> None:
+        p = req.params
+        if tok in p.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", tok
+        elif not p.ignore_eos and tok in self.config.eos_token_ids:
+            req.finish_reason = "stop"
+        elif p.stop and self._cut_stop_string(req):
+            req.finish_reason = "stop"
+        elif len(req.output_ids) >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
+            req.finish_reason = "length"
+
+    @staticmethod
+    def _cut_stop_string(req: Request) -> bool:
+        longest = max(len(s) for s in req.params.stop)
+        tail = max(0, len(req.text) - 60 - longest)  # new text is short; search its end
+        hits = [(req.text.find(s, tail), s) for s in req.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        i, s = min(hits)
+        req.text = req.text[: i + len(s)] if req.params.include_stop_str_in_output else req.text[:i]
+        req.stop_reason = s
+        return True
+
+    def _retire(self, req: Request) -> RequestOutput:
+        self.scheduler.finish(req)
+        self.sampler.forget(req.request_id)
+        out = self._output(req)
+        del self.requests[req.request_id], self._detok[req.request_id]
+        return out
+
+    def _output(self, req: Request) -> RequestOutput:
+        # While running, hold back text that may be the start of a stop string.
+        hold = 0 if req.finish_reason or not req.params.stop else max(map(len, req.params.stop)) - 1
+        upto = max(req.sent_text, len(req.text) - hold)
+        new, req.sent_text = req.text[req.sent_text:upto], upto
+        new_ids, req.sent_tokens = req.output_ids[req.sent_tokens:], len(req.output_ids)
+        done = req.finish_reason is not None
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids,
+            [CompletionOutput(0, req.text, list(req.output_ids), req.finish_reason,
+                              req.stop_reason)],
+            finished=done, num_cached_tokens=req.num_cached_tokens,
+            new_text=new, new_token_ids=new_ids,
+        )

@@ -1,0 +1,107 @@
+"""Continuous batching with a per-step token budget, chunked prefill and preemption.
+
+Each step: running requests first, in arrival order (a decode token each, or
+the next chunk of their prompt), then waiting requests while the budget and
+the KV pool allow. When a running request cannot get slots, the most recently
+admitted running request is preempted: its pages go back as evictable prefix
+cache, so re-running it later mostly hits the cache instead of recomputing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvserve.engine.request import Request, Status
+from kvserve.memory import KVCacheManager
+
+
+@dataclass
+class Scheduled:
+    request: Request
+    start: int  # first token computed this step
+    num_tokens: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """Whether the step reaches the end of the known tokens (so a token is sampled)."""
+        return self.start + self.num_tokens == len(self.request.token_ids)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Scheduled], list[Request]]:
+        """(this step's batch, requests that can never fit and must be failed)."""
+        self.kv.begin_step()
+        batch: list[Scheduled] = []
+        budget = self._schedule_running(batch, self.budget)
+        return batch, self._admit_waiting(batch, budget)
+
+    def _schedule_running(self, batch: list[Scheduled], budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(len(req.token_ids) - req.num_computed, budget)
+            while not self.kv.allocate_slots(req.request_id, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                batch.append(Scheduled(req, req.num_computed, n))
+                budget -= n
+                i += 1
+        return budget
+
+    def _admit_waiting(self, batch: list[Scheduled], budget: int) -> list[Request]:
+        failed = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            self.kv.add_request(req.request_id, req.token_ids)
+            hit = self.kv.lookup(req.request_id)
+            n = min(len(req.token_ids) - hit, budget)
+            if not self.kv.allocate_slots(req.request_id, n):
+                self.kv.abort(req.request_id)
+                if not self.running and not batch:  # alone in an empty pool: never fits
+                    failed.append(self.waiting.popleft())
+                    continue
+                break
+            self.waiting.popleft()
+            if not req.admitted:  # the first admission, not a resumed preemption
+                req.num_cached_tokens = hit
+                req.admitted = True
+            req.num_computed = hit
+            req.status = Status.RUNNING
+            self.running.append(req)
+            batch.append(Scheduled(req, hit, n))
+            budget -= n
+        return failed
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.abort(req.request_id)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def finish(self, req: Request) -> None:
+        """Release a request wherever it is (finished, aborted or failed)."""
+        if req in self.running:
+            self.running.remove(req)
+            self.kv.finish(req.request_id)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED

@@ -1,0 +1,292 @@
+"""Gemma 3 text decoder written for kvserve's varlen (flattened) batches.
+
+The forward pass takes the tokens of several sequences flattened into one batch, together with
+their absolute positions, and delegates attention to a pluggable backend. The model itself holds
+no KV state: where K/V live (contiguous tensors, paged blocks, another tier) is the backend's
+business. Numerics follow Hugging Face transformers' Gemma 3 so greedy outputs match it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+@dataclass
+class Gemma3Config:
+    """Architecture of a Gemma 3 text model, independent of the checkpoint format."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0  # full-attention layers
+    rope_local_base_freq: float = 10_000.0  # sliding-window layers
+    # Scaling of the full-attention RoPE only, as Gemma 3 does; None or {"rope_type": "linear",
+    # "factor": f}.
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int = 512
+    layer_types: list[str] = field(default_factory=list)
+    query_pre_attn_scalar: float = 256.0
+    max_position_embeddings: int = 32_768
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    hidden_activation: str = "gelu_pytorch_tanh"
+    tie_word_embeddings: bool = True
+    bos_token_id: int = 2
+    eos_token_ids: list[int] = field(default_factory=lambda: [1])
+    pad_token_id: int = 0
+    model_type: str = "gemma3_text"
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = default_layer_types(self.num_hidden_layers)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError("layer_types must have one entry per layer")
+        if any(t not in (SLIDING, FULL) for t in self.layer_types):
+            raise ValueError(f"unknown layer type in {self.layer_types}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise NotImplementedError(f"activation {self.hidden_activation!r} is not supported")
+        if self.attn_logit_softcapping is not None:
+            # Gemma 3 dropped attention softcapping (Gemma 2 had it); SDPA cannot express it.
+            raise NotImplementedError("attention logit softcapping is not supported")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ("default", "linear"):
+            raise NotImplementedError(f"rope scaling {rope_type!r} is not supported")
+
+    def is_sliding(self, layer_idx: int) -> bool:
+        return self.layer_types[layer_idx] == SLIDING
+
+    @property
+    def attn_scale(self) -> float:
+        return self.query_pre_attn_scalar**-0.5
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Gemma3Config:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def default_layer_types(num_layers: int, pattern: int = 6) -> list[str]:
+    """Gemma 3 interleaves (pattern - 1) sliding-window layers with one global layer."""
+    return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
+
+
+class AttentionBackend(Protocol):
+    """Attention over the flattened batch; owns the KV cache.
+
+    Called once per layer with this step's q [num_tokens, n_heads, head_dim] and k/v
+    [num_tokens, n_kv_heads, head_dim] (already normed and rotated). It must store k/v, attend
+    each query to its own sequence's keys (causal, plus the sliding window on layers where
+    ``config.is_sliding(layer_idx)``) with scale ``config.attn_scale`` and return
+    [num_tokens, n_heads, head_dim].
+    """
+
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    """Gemma RMSNorm: weight stored zero-centred and applied as (1 + w), computed in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Multiply before casting back (Gemma differs from Llama here) to keep bf16 runs faithful.
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+class RotaryEmbedding:
+    """Neox-style (rotate-half) RoPE for one base.
+
+    Kept out of the module's buffers on purpose: ``model.to(bfloat16)`` must not round the
+    inverse frequencies, and building the model on the meta device must not lose them.
+    """
+
+    def __init__(self, head_dim: int, base: float, linear_factor: float = 1.0) -> None:
+        self.head_dim, self.base, self.linear_factor = head_dim, base, linear_factor
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim
+            inv = 1.0 / (self.base**exponents) / self.linear_factor
+            self._inv_freq[device] = inv.to(device)
+        return self._inv_freq[device]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # [num_tokens, 1, head_dim]: broadcasts over heads.
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: Gemma3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, q_out = config.hidden_size, self.n_heads * self.head_dim
+        kv_out = self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_out, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_out, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_out, bias=False)
+        self.o_proj = nn.Linear(q_out, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.n_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, self.n_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, self.n_kv_heads, self.head_dim)
+        cos, sin = cos_sin
+        out = attn(self.layer_idx, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: Gemma3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = F.gelu(self.gate_proj(x), approximate="tanh")
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: Gemma3Config, layer_idx: int) -> None:
+        super().__init__()
+        eps, hidden = config.rms_norm_eps, config.hidden_size
+        self.self_attn = Gemma3Attention(config, layer_idx)
+        self.mlp = Gemma3MLP(config)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+
+    def forward(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend
+    ) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), cos_sin, attn)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h)
+
+
+class Gemma3Model(nn.Module):
+    """Embedding + decoder stack + final norm (HF-compatible parameter names)."""
+
+    def __init__(self, config: Gemma3Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """Gemma 3 text model over a flattened varlen batch.
+
+    ``forward`` returns final hidden states; call ``compute_logits`` on the rows you need (e.g.
+    the last token of each sequence) so prefill does not materialise [num_tokens, vocab].
+    """
+
+    def __init__(self, config: Gemma3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Model(config)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        factor = float((config.rope_scaling or {}).get("factor", 1.0))
+        self.rope_local = RotaryEmbedding(config.head_dim, config.rope_local_base_freq)
+        self.rope_global = RotaryEmbedding(config.head_dim, config.rope_theta, factor)
+        self.embed_scale = math.sqrt(config.hidden_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        x = self.model.embed_tokens(input_ids)
+        # Scale in the weight dtype, as HF does (sqrt(640) rounds differently in bf16).
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        local = self.rope_local.cos_sin(positions, x.dtype)
+        glob = self.rope_global.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, local if self.config.is_sliding(i) else glob, attn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab] (tied head, optional final softcapping)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: Gemma3Config,
+        state_dict: Mapping[str, torch.Tensor],
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> Gemma3ForCausalLM:
+        """Build on the meta device and adopt the given tensors (no random init, no copy twice)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(dict(state_dict), strict=True, assign=True)
+        return model.to(device=device, dtype=dtype).eval()

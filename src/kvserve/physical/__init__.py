@@ -1,0 +1,1 @@
+"""Physical KV memory: the byte pool the memory core's page ids index into."""

@@ -1,0 +1,79 @@
+"""One byte pool for every layer type, cut by the memory core's layout.
+
+Jenga's page-layer partition: spec s sees the pool as pages of
+`layout.page_bytes[s]` bytes, and one page holds T tokens of *every* layer of
+the spec, laid out [layer, token, K/V, kv_head, head_dim]. A layer's view is
+then a strided tensor [num_pages, T, 2, kv_heads, head_dim] at a fixed offset
+inside each page, so kernels index it by page id as if it were a plain
+per-layer paged cache (Jenga §4.2: start pointer + page stride).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.memory.spec import Layout
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Per-layer KV shape of an attention spec."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_token(self) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class KVPool:
+    """The byte pool plus a per-layer view for every layer of every spec."""
+
+    def __init__(
+        self, layout: Layout, num_large_pages: int, shapes: dict[str, AttentionShape],
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.layout = layout
+        self.device = torch.device(device)
+        self.buffer = torch.zeros(
+            num_large_pages * layout.large_page_bytes, dtype=torch.uint8, device=self.device
+        )
+        self.views: dict[str, list[torch.Tensor]] = {}
+        for s, spec in enumerate(layout.specs):
+            if spec.name in shapes:
+                self.views[spec.name] = self._spec_views(s, shapes[spec.name], num_large_pages)
+
+    def _spec_views(self, s: int, shape: AttentionShape, num_large: int) -> list[torch.Tensor]:
+        spec, T = self.layout.specs[s], self.layout.tokens_per_page
+        page_bytes = self.layout.page_bytes[s]
+        if spec.bytes_per_token != shape.bytes_per_token():
+            raise ValueError(
+                f"spec {spec.name!r} says {spec.bytes_per_token} B per token per layer but "
+                f"its attention shape needs {shape.bytes_per_token()} B"
+            )
+        num_pages = num_large * self.layout.pages_per_large[s]
+        item = _itemsize(shape.dtype)
+        pages = self.buffer.view(num_pages, page_bytes)
+        # Padding (max_page baseline) sits at the end of each page, unused.
+        used = pages[:, : spec.page_bytes(T)].view(shape.dtype)
+        per_page = page_bytes // item
+        typed = torch.as_strided(
+            used,
+            (num_pages, spec.num_layers, T, 2, shape.num_kv_heads, shape.head_dim),
+            (per_page, T * 2 * shape.num_kv_heads * shape.head_dim,
+             2 * shape.num_kv_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim,
+             shape.head_dim, 1),
+        )
+        return [typed[:, j] for j in range(spec.num_layers)]
+
+    def layer(self, spec_name: str, index: int) -> torch.Tensor:
+        """[num_pages, T, 2, kv_heads, head_dim] view of one layer of one spec."""
+        return self.views[spec_name][index]

@@ -1,0 +1,195 @@
+"""The engine's paged path against the contiguous reference, on a tiny random Gemma 3.
+
+Small pages, a short sliding window, tiny token budgets and tiny pools make
+every mechanism (window release, chunked prefill, prefix hits, preemption)
+happen within a few tokens, so many variants run in seconds.
+"""
+
+import pytest
+import torch
+
+from kvserve.engine.engine import EngineConfig, LLMEngine
+from kvserve.engine.request import InvalidRequest, SamplingParams
+from kvserve.models import Gemma3Config, Gemma3ForCausalLM, greedy_generate
+
+VOCAB = 300
+
+
+class ByteTokenizer:
+    """Enough of a tokenizer for the engine: ids are bytes + 3."""
+
+    def encode(self, text):
+        return [2] + [b + 3 for b in text.encode()]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(max(0, i - 3) % 256 for i in ids if i >= 3).decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = Gemma3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "full_attention"],
+        max_position_embeddings=512, eos_token_ids=[1],
+    )
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+def engine(model, **kw):
+    args = dict(kv_memory=1 << 20, tokens_per_page=4, max_num_batched_tokens=64)
+    args.update(kw)
+    return LLMEngine(model, ByteTokenizer(), EngineConfig(**args))
+
+
+def run(eng, prompts, max_tokens=8):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), {"prompt_token_ids": p}, params)
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def prompts(n, lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (length,), generator=g).tolist() for length in lengths[:n]]
+
+
+def reference(model, ps, max_tokens=8):
+    return greedy_generate(model, ps, max_tokens)
+
+
+LENGTHS = [5, 17, 3, 40, 9, 26]
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"max_num_batched_tokens": 7},  # chunked prefill, several chunks per prompt
+    {"tokens_per_page": 1},
+    {"tokens_per_page": 16},
+])
+def test_batched_greedy_matches_reference(tiny, kw):
+    ps = prompts(6, LENGTHS)
+    assert run(engine(tiny, **kw), ps) == reference(tiny, ps)
+
+
+def test_one_at_a_time_matches_batched(tiny):
+    ps = prompts(4, LENGTHS)
+    eng = engine(tiny)
+    single = [run(eng, [p])[0] for p in ps]
+    assert single == reference(tiny, ps)
+
+
+def test_prefix_hit_computes_less_and_matches(tiny):
+    base = prompts(1, [40])[0]
+    eng = engine(tiny)
+    run(eng, [base + [5, 6]])
+    req = eng.add_request("x", {"prompt_token_ids": base + [7, 8, 9]},
+                          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.finished]
+    assert req.num_cached_tokens == 40
+    assert outs[0].outputs[0].token_ids == reference(tiny, [base + [7, 8, 9]])[0]
+
+
+def test_preemption_under_a_small_pool_keeps_tokens(tiny):
+    ps = prompts(6, [30, 28, 33, 25, 31, 27])
+    eng = engine(tiny, kv_memory=40 * 1024, max_num_batched_tokens=32)
+    got = run(eng, ps, max_tokens=12)
+    assert eng.scheduler.num_preemptions > 0
+    assert got == reference(tiny, ps, 12)
+    assert eng.kv.stats().used == 0
+
+
+def test_sliding_pages_stay_bounded_while_decoding(tiny):
+    eng = engine(tiny)
+    eng.add_request("a", {"prompt_token_ids": prompts(1, [60])[0]},
+                    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+        r = eng.kv.reqs.get("a")
+        if r is not None and r.num_alloc == r.num_computed:
+            held = [p for p in eng.kv.block_tables("a")["sliding"] if p >= 0]
+            assert len(held) <= 8 // 4 + 1
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ("", SamplingParams(), "empty"),
+    ({"prompt_token_ids": []}, SamplingParams(), "empty"),
+    ({"prompt_token_ids": [5, VOCAB]}, SamplingParams(), "unknown token"),
+    ({"prompt_token_ids": [5, -1]}, SamplingParams(), "unknown token"),
+    ({"prompt_token_ids": ["a"]}, SamplingParams(), "list of integers"),
+    ({"prompt_token_ids": [5] * 600}, SamplingParams(), "at most"),
+    ("hi", SamplingParams(temperature=-1), "temperature"),
+    ("hi", SamplingParams(top_p=0), "top_p"),
+    ("hi", SamplingParams(top_k=-2), "top_k"),
+    ("hi", SamplingParams(max_tokens=0), "max_tokens"),
+    ("hi", SamplingParams(stop_token_ids=[VOCAB + 1]), "stop_token_ids"),
+    ("hi", SamplingParams(temperature=float("nan")), "temperature"),
+])
+def test_bad_input_is_a_clear_error_and_leaks_nothing(tiny, prompt, params, match):
+    eng = engine(tiny)
+    with pytest.raises(InvalidRequest, match=match):
+        eng.add_request("bad", prompt, params)
+    assert not eng.has_unfinished() and eng.kv.stats().used == 0
+    assert run(eng, prompts(1, [10])) == reference(tiny, prompts(1, [10]))
+
+
+def test_prompt_larger_than_the_pool_is_refused(tiny):
+    eng = engine(tiny, kv_memory=8 * 1024)
+    with pytest.raises(InvalidRequest, match="KV memory"):
+        eng.add_request("big", {"prompt_token_ids": [5] * 400})
+    assert not eng.has_unfinished()
+
+
+def test_abort_releases_pages(tiny):
+    eng = engine(tiny)
+    eng.add_request("a", {"prompt_token_ids": prompts(1, [30])[0]},
+                    SamplingParams(temperature=0, max_tokens=50))
+    eng.step()
+    assert eng.kv.stats().used > 0
+    eng.abort_request("a")
+    assert eng.kv.stats().used == 0 and not eng.has_unfinished()
+
+
+def test_stop_conditions(tiny):
+    eng = engine(tiny)
+    ps = prompts(1, [12])
+    ref = reference(tiny, ps, 8)[0]
+    stop_tok = ref[3]
+    eng.add_request("s", {"prompt_token_ids": ps[0]},
+                    SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_tok]))
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.finished]
+    out = outs[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    assert out.token_ids == ref[: ref.index(stop_tok) + 1]
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    ps = prompts(2, [10, 14])
+    p = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=10,
+                       ignore_eos=True)
+
+    def sample():
+        eng = engine(tiny)
+        for i, q in enumerate(ps):
+            eng.add_request(str(i), {"prompt_token_ids": q}, p)
+        done = {}
+        while eng.has_unfinished():
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+        return [done[str(i)].outputs[0].token_ids for i in range(2)]
+
+    assert sample() == sample()
