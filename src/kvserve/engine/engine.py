@@ -164,9 +164,7 @@ class LLMEngine:
         tokens = self.sampler.sample(
             logits, [s.request.request_id for s in sampled], [s.request.params for s in sampled]
         )
-        for s in batch:
-            self.kv.advance(s.request.request_id, s.num_tokens)
-            s.request.num_computed += s.num_tokens
+        self.scheduler.commit(batch)
         now = time.monotonic()
         for s, tok in zip(sampled, tokens):
             outputs.append(self._append_token(s.request, tok, now))

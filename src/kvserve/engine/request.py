@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from kvserve.memory.prefix_cache import ImageInput
+
 
 class InvalidRequest(ValueError):
     """A request the engine refuses; the message says why. Nothing was allocated."""
@@ -73,6 +75,7 @@ class Request:
     params: SamplingParams
     arrival: float
     token_ids: list[int] = field(default_factory=list)  # prompt + output; the KV manager reads it
+    images: tuple[ImageInput, ...] = ()
     status: Status = Status.WAITING
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

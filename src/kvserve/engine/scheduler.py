@@ -70,7 +70,7 @@ class Scheduler:
         failed = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            self.kv.add_request(req.request_id, req.token_ids)
+            self.kv.add_request(req.request_id, req.token_ids, req.images)
             hit = self.kv.lookup(req.request_id)
             n = min(len(req.token_ids) - hit, budget)
             if not self.kv.allocate_slots(req.request_id, n):
@@ -89,6 +89,12 @@ class Scheduler:
             batch.append(Scheduled(req, hit, n))
             budget -= n
         return failed
+
+    def commit(self, batch: list[Scheduled]) -> None:
+        """The batch's KV has been written: let the memory core cache and release."""
+        for s in batch:
+            self.kv.advance(s.request.request_id, s.num_tokens)
+            s.request.num_computed += s.num_tokens
 
     def _preempt(self, req: Request) -> None:
         self.kv.abort(req.request_id)

@@ -1,0 +1,1 @@
+"""Entry points of the command line that are not services."""
