@@ -41,11 +41,10 @@ class SeqStep:
 
 @dataclass
 class _Gather:
-    """Padded key positions of a group of sequences for one spec."""
+    """Whole pages of a group of sequences for one spec, and which keys each query sees."""
 
-    pages: torch.Tensor  # [B, L]
-    offsets: torch.Tensor  # [B, L]
-    mask: torch.Tensor  # [B, 1, Q, L] bool
+    pages: torch.Tensor  # [B, P] page ids (padded with page 0, masked out)
+    mask: torch.Tensor  # [B, 1, Q, P*T] bool
 
 
 class PagedAttention:
@@ -93,28 +92,29 @@ class PagedAttention:
         return (torch.tensor(pages, device=self.device), (pos % self.T).to(self.device))
 
     def _gather(self, group: Sequence[SeqStep], spec: str, window: int) -> _Gather:
+        """Gather whole pages (one index per page, not per token); the mask trims them."""
         T = self.T
         q_len = max(s.num_new for s in group)
-        los = [max(0, s.start - window + 1) if window else 0 for s in group]
-        ends = [s.start + s.num_new for s in group]
-        L = max(e - lo for e, lo in zip(ends, los))
-        lo = torch.tensor(los)[:, None]
-        key_pos = lo + torch.arange(L)[None, :]
-        valid = key_pos < torch.tensor(ends)[:, None]
-        key_pos = torch.where(valid, key_pos, lo)
-        nblocks = max(-(-e // T) for e in ends)
-        tables = torch.tensor([(s.tables[spec] + [0] * nblocks)[:nblocks] for s in group])
-        pages = tables.gather(1, key_pos // T)
-        if bool((pages[valid] < 0).any()):
-            raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
-        q_pos = torch.stack([
-            torch.arange(s.start, s.start + q_len) for s in group
-        ])  # padded query rows of decode groups have q_len 1 anyway
-        mask = valid[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
+        firsts = [max(0, s.start - window + 1) // T if window else 0 for s in group]
+        lasts = [-(-(s.start + s.num_new) // T) for s in group]
+        P = max(last - first for first, last in zip(firsts, lasts))
+        rows = []
+        for s, first, last in zip(group, firsts, lasts):
+            pages = s.tables[spec][first:last]
+            if min(pages) < 0 and window == 0:
+                raise RuntimeError(f"spec {spec!r}: a needed page was released")
+            rows.append(pages + [0] * (P - len(pages)))
+        key_pos = torch.tensor(firsts)[:, None] * T + torch.arange(P * T)[None, :]
+        q_pos = torch.stack([torch.arange(s.start, s.start + q_len) for s in group])
+        mask = key_pos[:, None, :] <= q_pos[:, :, None]  # causal; also drops padding pages
         if window:
             mask &= key_pos[:, None, :] > q_pos[:, :, None] - window
-        return _Gather(pages.clamp_min(0).to(self.device), (key_pos % T).to(self.device),
-                       mask[:, None].to(self.device))
+        pages = torch.tensor(rows)
+        # A released page (-1) may only sit where the window already masks it out.
+        released = (pages < 0).repeat_interleave(T, dim=1)[:, None, :]
+        if bool((released & mask).any()):
+            raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
+        return _Gather(pages.clamp_min(0).to(self.device), mask[:, None].to(self.device))
 
     # ------------------------------------------------------------------- call
 
@@ -136,14 +136,16 @@ class PagedAttention:
         return out
 
     def _attend(self, cache: torch.Tensor, g: _Gather, q: torch.Tensor) -> torch.Tensor:
-        """q [B, Q, Hq, D] -> [B, Q, Hq, D] over the gathered keys."""
-        kv = cache[g.pages, g.offsets].to(q.dtype)  # [B, L, 2, Hkv, D]
+        """q [B, Q, Hq, D] -> [B, Q, Hq, D] over the gathered pages."""
+        B, Q, Hq, D = q.shape
+        kv = cache[g.pages].to(q.dtype)  # [B, P, T, 2, Hkv, D]
+        kv = kv.flatten(1, 2)  # [B, P*T, 2, Hkv, D]
         keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-        group = q.shape[2] // keys.shape[1]
-        if group > 1:  # as HF's repeat_kv, so the arithmetic matches the reference
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=g.mask, scale=self.scale
-        )
-        return out.transpose(1, 2)
+        Hkv = keys.shape[1]
+        group = Hq // Hkv
+        # Grouped-query attention without copying K/V: the query heads that share
+        # a KV head become extra query rows of that head.
+        qg = q.view(B, Q, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Q, D)
+        mask = g.mask.repeat(1, 1, group, 1) if group > 1 and Q > 1 else g.mask
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
+        return out.view(B, Hkv, group, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, Hq, D)

@@ -1,0 +1,1 @@
+"""Real serving workloads shipped as packages."""
