@@ -225,12 +225,8 @@ class TwoLevelAllocator:
         take = min(m, len(free))
         lps = free[len(free) - take:]
         del free[len(free) - take:]
-        while len(lps) < m:
-            lp = self._pop_lru_large(p)
-            if lp is None:
-                break
-            self._evict_large(lp)
-            lps.append(lp)
+        if len(lps) < m:
+            lps += self._evict_lru_large(p, m - len(lps))
         m = len(lps)
         sp = self.specs[s]
         k = sp.k
@@ -261,6 +257,17 @@ class TwoLevelAllocator:
         self._assign(s, lp, req, want, out)
         return True
 
+    def _evict_lru_large(self, p: int, m: int) -> list[int]:
+        """Step 3 in bulk: evict up to m unused large pages, least recently used first."""
+        heap, lstamp, used, owner = self.lheap[p], self.lstamp, self.used, self.owner
+        out: list[int] = []
+        while len(out) < m and heap:
+            _, lp, stamp = heapq.heappop(heap)
+            if stamp == lstamp[lp] and used[lp] == 0 and owner[lp] >= 0:
+                self._evict_large(lp)
+                out.append(lp)
+        return out
+
     def _pop_lru_large(self, p: int) -> int | None:
         heap = self.lheap[p]
         while heap:
@@ -274,13 +281,16 @@ class TwoLevelAllocator:
         s = self.owner[lp]
         sp = self.specs[s]
         base = lp * sp.k
+        state, hashes, cached, stamp = sp.state, sp.hash, sp.cached, sp.stamp
         for pid in range(base, base + sp.k):
-            if sp.state[pid] == EVICTABLE:
-                self._uncache(sp, pid)
+            if state[pid] == EVICTABLE:
+                del cached[hashes[pid]]
+                hashes[pid] = None
+                stamp[pid] += 1
                 sp.n_evictable -= 1
             else:
                 sp.n_empty -= 1
-            sp.state[pid] = EMPTY
+            state[pid] = EMPTY
         self._drop_empties(sp, lp)
         self._detach(s, lp)
 
@@ -378,19 +388,20 @@ class TwoLevelAllocator:
         """
         sp = self.specs[s]
         ref, last, hashes = sp.ref, sp.last, sp.hash
-        emptied = []
+        emptied: list[int] = []
+        empty = emptied.append
         for pid in pids:
             r = ref[pid] - 1
             ref[pid] = r
-            if r <= 0:
-                if r < 0:
-                    ref[pid] = 0
-                    raise ValueError(f"double free of page {pid} of spec {s}")
-                last[pid] = now
+            if r == 0:
                 if hashes[pid] is None:
-                    emptied.append(pid)
+                    empty(pid)
                 else:
+                    last[pid] = now
                     self._to_evictable(s, sp, pid)
+            elif r < 0:
+                ref[pid] = 0
+                raise ValueError(f"double free of page {pid} of spec {s}")
         if emptied:
             self._empty_runs(s, sp, emptied)
 
@@ -401,7 +412,9 @@ class TwoLevelAllocator:
             pid = emptied[i]
             lp = pid // k
             j = i + k
-            if pid % k == 0 and j <= n and emptied[i:j] == list(range(pid, pid + k)):
+            # k distinct ids (a repeat would have failed above) spanning k values
+            # starting at a boundary are exactly that large page.
+            if pid % k == 0 and j <= n and max(run := emptied[i:j]) - min(run) == k - 1:
                 self._release_whole(s, sp, lp)
                 i = j
                 continue
@@ -431,7 +444,8 @@ class TwoLevelAllocator:
         sp.n_evictable += 1
         sp.stamp[pid] += 1
         t = sp.last[pid]
-        heapq.heappush(sp.heap, (t, -sp.plen[pid], pid, sp.stamp[pid]))
+        if sp.k > 1:  # with one page per large page, the large-page LRU covers it
+            heapq.heappush(sp.heap, (t, -sp.plen[pid], pid, sp.stamp[pid]))
         if self.ltime[lp] < t:
             self.ltime[lp] = t
         if self.used[lp] == 0:

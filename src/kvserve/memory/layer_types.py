@@ -133,6 +133,11 @@ class TextStream(SpecManager):
 
     def longest_hit(self, r: RequestKV, p: int) -> int:
         cached, hashes = self.alloc.specs[self.s].cached, r.hashes
+        if self.spec.kind is LayerKind.FULL:  # every block counts: the first miss ends it
+            for b in range(p):
+                if hashes[b] not in cached:
+                    return b
+            return p
         q = p
         b = q - 1
         # Scan down; a miss at b makes b the next candidate, whose window
