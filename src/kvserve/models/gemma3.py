@@ -163,9 +163,10 @@ class Gemma3Attention(nn.Module):
         self.head_dim = config.head_dim
         hidden, q_out = config.hidden_size, self.n_heads * self.head_dim
         kv_out = self.n_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_out, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_out, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_out, bias=False)
+        # q, k and v in one matmul (one read of x, one call); from_state_dict fuses
+        # the checkpoint's separate projections.
+        self.qkv_proj = nn.Linear(hidden, q_out + 2 * kv_out, bias=False)
+        self.split = (q_out, kv_out, kv_out)
         self.o_proj = nn.Linear(q_out, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -174,9 +175,10 @@ class Gemma3Attention(nn.Module):
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.n_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(n, self.n_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, self.n_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = self.q_norm(q.view(n, self.n_heads, self.head_dim))
+        k = self.k_norm(k.view(n, self.n_kv_heads, self.head_dim))
+        v = v.reshape(n, self.n_kv_heads, self.head_dim)
         cos, sin = cos_sin
         out = attn(self.layer_idx, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
         return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
@@ -185,13 +187,13 @@ class Gemma3Attention(nn.Module):
 class Gemma3MLP(nn.Module):
     def __init__(self, config: Gemma3Config) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+                                      bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = F.gelu(self.gate_proj(x), approximate="tanh")
-        return self.down_proj(gate * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -288,5 +290,21 @@ class Gemma3ForCausalLM(nn.Module):
         """Build on the meta device and adopt the given tensors (no random init, no copy twice)."""
         with torch.device("meta"):
             model = cls(config)
-        model.load_state_dict(dict(state_dict), strict=True, assign=True)
+        model.load_state_dict(fuse_projections(state_dict), strict=True, assign=True)
         return model.to(device=device, dtype=dtype).eval()
+
+
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_projections(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named weights -> this model's: q/k/v and gate/up concatenated per layer."""
+    out = dict(state_dict)
+    layers = {k.split(".")[2] for k in state_dict if k.startswith("model.layers.")}
+    for i in layers:
+        prefix = f"model.layers.{i}."
+        for fused, parts in _FUSED.items():
+            names = [f"{prefix}{p}.weight" for p in parts]
+            out[f"{prefix}{fused}.weight"] = torch.cat([out.pop(n) for n in names])
+    return out
