@@ -191,3 +191,18 @@ def test_out_of_memory_request_fails_cleanly_and_engine_goes_on():
     mgr.abort("big")
     assert run_prefill(mgr, "small", list(range(100))) == 0
     check_invariants(mgr)
+
+
+def test_hit_counters_count_an_admission_once():
+    mgr = KVCacheManager(GEMMA, 8 * MiB, tokens_per_page=16)
+    run_prefill(mgr, "a", list(range(100)))
+    mgr.finish("a")
+    tokens = list(range(100)) + list(range(1000, 6000))  # too big for the pool
+    for _ in range(3):  # the scheduler retries a waiting request every step
+        mgr.add_request("b", tokens)
+        assert mgr.lookup("b") == 96
+        assert not mgr.allocate_slots("b", len(tokens) - 96)
+        mgr.abort("b")
+    assert (mgr.stats().queried_tokens, mgr.stats().hit_tokens) == (100, 0)
+    assert run_prefill(mgr, "c", list(range(100))) == 96
+    assert (mgr.stats().queried_tokens, mgr.stats().hit_tokens) == (200, 96)

@@ -29,8 +29,9 @@ class SpecStats:
     name: str
     page_bytes: int
     used: int  # bytes of pages in use by requests
-    evictable: int  # bytes of cached pages nobody uses
-    empty: int  # bytes of empty small pages inside large pages the spec holds
+    evictable: int  # bytes reclaimable by eviction: cached pages nobody uses (and the
+    # empty pages beside them in large pages that hold only cache)
+    empty: int  # bytes of empty small pages inside large pages that requests use
     ideal: int  # bytes the requests' live tokens need, at byte granularity
     waste: int  # used + empty - ideal: unused pages in held large pages + unused slots
 
@@ -145,7 +146,6 @@ class KVCacheManager:
         r = self._req(req_id)
         if r.num_alloc or any(r.tables):
             raise RuntimeError(f"lookup of {req_id!r} after its first allocation")
-        self.queried_tokens += len(r.tokens)
         q = 0
         if self.enable_caching:
             extend_block_hashes(r.hashes, r.tokens, self.T, r.images)
@@ -153,7 +153,6 @@ class KVCacheManager:
         for m in self.managers:
             m.claim_hit(r, q)
         r.num_hit = r.num_computed = r.num_alloc = q * self.T
-        self.hit_tokens += r.num_hit
         return r.num_hit
 
     def _longest_common_hit(self, r: RequestKV, p: int) -> int:
@@ -184,6 +183,11 @@ class KVCacheManager:
             return False
         for m, pids in zip(self.managers, pages):
             m.install(r, pids, upto)
+        if r.num_alloc == r.num_hit:
+            # The first allocation takes the lookup. Counting here, not in lookup,
+            # leaves out admissions the scheduler retried while memory was full.
+            self.queried_tokens += len(r.tokens)
+            self.hit_tokens += r.num_hit
         r.num_alloc = upto
         return True
 
@@ -249,9 +253,12 @@ class KVCacheManager:
         for m in self.managers:
             sp, pb = self.alloc.specs[m.s], self.layout.page_bytes[m.s]
             need = sum(ideal[i] for i in self._members[m.spec.name])
-            used, empty = sp.n_used * pb, sp.n_empty * pb
-            out.append(SpecStats(m.spec.name, pb, used, sp.n_evictable * pb, empty, need,
-                                 used + empty - need))
+            # Empty pages of large pages that only hold cache come back whole when
+            # the large page is evicted: count them as reclaimable, not as waste.
+            idle = sum(len(e) for lp, e in sp.empties.items() if self.alloc.used[lp] == 0)
+            used, empty = sp.n_used * pb, (sp.n_empty - idle) * pb
+            out.append(SpecStats(m.spec.name, pb, used, (sp.n_evictable + idle) * pb, empty,
+                                 need, used + empty - need))
         free = self.alloc.num_free_large() * self.layout.large_page_bytes
         return Stats(self.policy, self.pool_bytes, free, out, self.queried_tokens, self.hit_tokens)
 

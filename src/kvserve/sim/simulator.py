@@ -1,0 +1,232 @@
+"""Replay a trace through the real KVCacheManager and Scheduler, with a roofline clock.
+
+Nothing is computed: each step the engine's own Scheduler picks the batch
+against the engine's own memory core (same allocation, eviction, prefix
+hits and preemption as a real run), the cost model prices the batch, and
+the simulated clock moves on by that time. Requests join the scheduler when
+the clock reaches their arrival; when nothing runs the clock jumps to the
+next arrival. A step's sampled token is a fixed synthetic id.
+
+Per step it records the batch (tokens, decode batch size) and, every
+`mem_every` steps, the memory core's Stats taken after scheduling, i.e.
+the memory the step's forward pass holds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvserve.engine.request import Request, SamplingParams
+from kvserve.engine.scheduler import Scheduled, Scheduler
+from kvserve.memory import KVCacheManager, Stats
+from kvserve.sim.cost import Budget, Chunk, CostModel, kv_budget
+from kvserve.sim.gpus import GPU
+from kvserve.sim.models import BF16, Model
+from kvserve.sim.traces import OUTPUT_TOKEN, TokenSynth, TraceRequest
+
+
+@dataclass
+class SimConfig:
+    model: Model
+    gpu: GPU
+    policy: str = "jenga"
+    tokens_per_page: int = 16
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_batched_tokens: int | None = None  # None: vLLM v0's max(max_model_len, 2048)
+    gpu_utilization: float = 0.9
+    fp8_weights: bool = False
+    kv_dtype_bytes: int = BF16
+    tp: int = 1
+    enable_caching: bool = True
+    mem_every: int = 1  # take the memory core's Stats every N steps
+
+    @property
+    def model_len(self) -> int:
+        return min(self.max_model_len or self.model.max_len, self.model.max_len)
+
+    @property
+    def batched_tokens(self) -> int:
+        # Without chunked prefill vLLM v0 sets the budget to max(max_model_len, 2048),
+        # so a whole prompt runs in one step.
+        return self.max_num_batched_tokens or max(self.model_len, 2048)
+
+    def budget(self) -> Budget:
+        return kv_budget(self.model, self.gpu, fp8_weights=self.fp8_weights,
+                         max_num_batched_tokens=self.batched_tokens,
+                         max_num_seqs=self.max_num_seqs, utilization=self.gpu_utilization,
+                         tp=self.tp)
+
+
+@dataclass
+class RequestRecord:
+    id: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    first_token: float | None = None
+    finish: float | None = None
+    rejected: str | None = None  # why it was never run
+
+
+@dataclass
+class MemSample:
+    t: float
+    step: int
+    stats: Stats
+
+
+@dataclass
+class StepRecord:
+    t: float  # clock at the step's start
+    dt: float
+    tokens: int  # tokens computed
+    decode: int  # requests past their prompt (one token each)
+    prefill_tokens: int
+    running: int
+    waiting: int
+    memory_bound: bool
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    budget: Budget
+    pool_bytes: int
+    steps: list[StepRecord] = field(default_factory=list)
+    memory: list[MemSample] = field(default_factory=list)
+    requests: list[RequestRecord] = field(default_factory=list)
+    preemptions: int = 0
+    queried_tokens: int = 0  # the memory core's lookup counters (every admission attempt)
+    hit_tokens: int = 0
+
+    @property
+    def clock(self) -> float:
+        return self.steps[-1].t + self.steps[-1].dt if self.steps else 0.0
+
+
+class OutOfMemory(RuntimeError):
+    """The weights and activation reserve leave no KV memory."""
+
+
+StepHook = Callable[[KVCacheManager, Scheduler, list[Scheduled]], None]
+
+
+class Simulator:
+    def __init__(self, cfg: SimConfig, on_step: StepHook | None = None) -> None:
+        self.cfg = cfg
+        budget = cfg.budget()
+        if budget.kv <= 0:
+            raise OutOfMemory(
+                f"{cfg.model.name} on {cfg.gpu.name} x{cfg.tp}: weights "
+                f"{budget.weights / 1e9:.1f} GB + reserve {budget.reserve / 1e9:.1f} GB exceed "
+                f"{budget.usable / 1e9:.1f} GB usable; lower --max-model-len or use FP8 / more GPUs"
+            )
+        self.kv = KVCacheManager(
+            cfg.model.kv_specs(cfg.kv_dtype_bytes), budget.kv, cfg.tokens_per_page,
+            policy=cfg.policy, enable_caching=cfg.enable_caching,
+        )
+        self.sched = Scheduler(self.kv, cfg.max_num_seqs, cfg.batched_tokens)
+        self.cost = CostModel(cfg.model, cfg.gpu, fp8_weights=cfg.fp8_weights,
+                              kv_dtype_bytes=cfg.kv_dtype_bytes, tp=cfg.tp)
+        self.synth = TokenSynth()
+        self.on_step = on_step
+        self.result = SimResult(cfg, budget, self.kv.pool_bytes)
+        self._records: dict[str, RequestRecord] = {}
+        self._image_tokens: dict[str, int] = {}
+
+    # ------------------------------------------------------------------- run
+
+    def run(self, trace: list[TraceRequest]) -> SimResult:
+        pending = deque(sorted(trace, key=lambda r: r.arrival))
+        clock = 0.0
+        while pending or self.sched.has_work():
+            while pending and pending[0].arrival <= clock:
+                self._arrive(pending.popleft())
+            if not self.sched.has_work():
+                if pending:
+                    clock = max(clock, pending[0].arrival)
+                continue
+            clock += self._step(clock)
+        res = self.result
+        res.preemptions = self.sched.num_preemptions
+        res.queried_tokens, res.hit_tokens = self.kv.queried_tokens, self.kv.hit_tokens
+        return res
+
+    def _arrive(self, tr: TraceRequest) -> None:
+        rec = RequestRecord(tr.id, tr.arrival, tr.prompt_len, tr.output_len)
+        self.result.requests.append(rec)
+        limit = self.cfg.model_len
+        if tr.prompt_len >= limit:
+            rec.rejected = f"prompt of {tr.prompt_len} tokens >= max_model_len {limit}"
+            return
+        images = tr.image_inputs()
+        # The engine's admission check: the prompt plus one token must fit an empty pool.
+        if not self.kv.fits_alone(tr.prompt_len + 1, self.cfg.batched_tokens, images):
+            rec.rejected = "needs more KV memory than the pool holds"
+            return
+        max_tokens = min(tr.output_len, limit - tr.prompt_len)
+        req = Request(tr.id, None, self.synth.prompt_ids(tr),
+                      SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      arrival=tr.arrival, images=images)
+        self._records[tr.id] = rec
+        self._image_tokens[tr.id] = tr.image_tokens
+        self.sched.add(req)
+
+    def _step(self, clock: float) -> float:
+        batch, failed = self.sched.schedule()
+        for req in failed:
+            self._records[req.request_id].rejected = "could not be scheduled alone"
+            self.sched.finish(req)
+        if not batch:
+            if failed:
+                return 0.0
+            raise RuntimeError("the scheduler returned an empty batch with work left")
+        if self.on_step is not None:
+            self.on_step(self.kv, self.sched, batch)
+        cost = self.cost.step([self._chunk(s) for s in batch])
+        self._record_step(clock, cost.seconds, cost.memory_bound, batch)
+        sampled = [s.request for s in batch if s.completes_prompt]
+        self.sched.commit(batch)
+        done = clock + cost.seconds
+        for req in sampled:
+            self._sample(req, done)
+        return cost.seconds
+
+    def _chunk(self, s: Scheduled) -> Chunk:
+        req = s.request
+        image_tokens = self._image_tokens.get(req.request_id, 0)
+        # The image is encoded (vision tower, cross KV) by the chunk reaching its marker.
+        new = sum(im.num_tokens for im in req.images
+                  if s.start <= im.offset < s.start + s.num_tokens)
+        return Chunk(s.start, s.num_tokens, s.completes_prompt, image_tokens, new)
+
+    def _sample(self, req: Request, now: float) -> None:
+        rec = self._records[req.request_id]
+        rec.cached_tokens = req.num_cached_tokens  # fixed at its first admission
+        if rec.first_token is None:
+            rec.first_token = now
+        req.token_ids.append(OUTPUT_TOKEN)
+        if len(req.output_ids) >= req.params.max_tokens:
+            self.sched.finish(req)
+            rec.finish = now
+
+    def _record_step(self, clock: float, dt: float, memory_bound: bool,
+                     batch: list[Scheduled]) -> None:
+        res = self.result
+        step = len(res.steps)
+        decode = sum(1 for s in batch if s.start >= s.request.num_prompt)
+        prefill = sum(s.num_tokens for s in batch if s.start < s.request.num_prompt)
+        res.steps.append(StepRecord(clock, dt, sum(s.num_tokens for s in batch), decode, prefill,
+                                    len(self.sched.running), len(self.sched.waiting),
+                                    memory_bound))
+        if step % self.cfg.mem_every == 0:
+            res.memory.append(MemSample(clock, step, self.kv.stats()))
+
+
+def simulate(trace: list[TraceRequest], cfg: SimConfig,
+             on_step: StepHook | None = None) -> SimResult:
+    return Simulator(cfg, on_step).run(trace)

@@ -1,0 +1,290 @@
+"""Request traces: a JSONL format, token-id synthesis, and the Jenga paper's workloads.
+
+One request per line:
+
+    {"id": "q3", "arrival": 1.5, "prompt_len": 20480, "output_len": 80,
+     "prefix_id": "article-2", "prefix_len": 20400,
+     "images": [{"id": "img-7", "offset": 0, "tokens": 6193}]}
+
+`prompt_ids` (a list of ints) may replace `prompt_len`. Requests with the
+same `prefix_id` share their first `prefix_len` token ids exactly, so the
+prefix cache can hit; everything else gets ids no other request has.
+`images` are the request's images (cross-attention models: `offset` is the
+text position of the image marker); equal ids mean the same image content.
+
+Generators (`name` or `name:key=value,...`, see GENERATORS): the paper's
+20 long requests at once (Fig. 15), the static and dynamic length traces
+(Fig. 16), arXiv-QA-like questions over N articles (Fig. 17), MMMU-pro-like
+image+text shapes (§3.2) and ShareGPT (lengths from the real dataset).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvserve.memory import ImageInput
+
+PREFIX_BASE = 1_000_000_000  # first token of shared prefix k: PREFIX_BASE + k
+UNIQUE_BASE = 2_000_000_000  # first token of request i's own tokens
+OUTPUT_TOKEN = 7  # the synthetic "sampled" token
+
+
+@dataclass(frozen=True)
+class Image:
+    id: str
+    offset: int
+    tokens: int
+
+
+@dataclass
+class TraceRequest:
+    id: str
+    arrival: float
+    output_len: int
+    prompt_len: int = 0
+    prefix_id: str | None = None
+    prefix_len: int = 0
+    images: tuple[Image, ...] = ()
+    prompt_ids: list[int] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.prompt_ids is not None:
+            self.prompt_len = len(self.prompt_ids)
+        if self.prompt_len <= 0 or self.output_len <= 0:
+            raise ValueError(f"request {self.id!r}: prompt_len and output_len must be > 0")
+        if not 0 <= self.prefix_len <= self.prompt_len:
+            raise ValueError(f"request {self.id!r}: prefix_len must be in [0, prompt_len]")
+
+    def image_inputs(self) -> tuple[ImageInput, ...]:
+        return tuple(ImageInput(im.id, im.offset, im.tokens) for im in self.images)
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(im.tokens for im in self.images)
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_json(self) -> dict:
+        d: dict = {"id": self.id, "arrival": self.arrival, "output_len": self.output_len}
+        if self.prompt_ids is not None:
+            d["prompt_ids"] = list(self.prompt_ids)
+        else:
+            d["prompt_len"] = self.prompt_len
+        if self.prefix_id is not None:
+            d["prefix_id"], d["prefix_len"] = self.prefix_id, self.prefix_len
+        if self.images:
+            d["images"] = [{"id": im.id, "offset": im.offset, "tokens": im.tokens}
+                           for im in self.images]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> TraceRequest:
+        images = tuple(Image(str(i["id"]), int(i["offset"]), int(i["tokens"]))
+                       for i in d.get("images", ()))
+        prefix = d.get("prefix_id")
+        return cls(
+            id=str(d["id"]), arrival=float(d["arrival"]), output_len=int(d["output_len"]),
+            prompt_len=int(d.get("prompt_len", 0)),
+            prefix_id=None if prefix is None else str(prefix),
+            prefix_len=int(d.get("prefix_len", 0)), images=images,
+            prompt_ids=None if d.get("prompt_ids") is None else [int(t) for t in d["prompt_ids"]],
+        )
+
+
+def write_jsonl(path: str | Path, trace: list[TraceRequest]) -> None:
+    with open(path, "w") as f:
+        for r in trace:
+            f.write(json.dumps(r.to_json()) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[TraceRequest]:
+    with open(path) as f:
+        return [TraceRequest.from_json(json.loads(line)) for line in f if line.strip()]
+
+
+class TokenSynth:
+    """Token ids for lengths-only requests: shared prefixes identical, the rest unique.
+
+    A block hash chains every earlier token, so one distinct first token is
+    enough to make every later block distinct; the rest are position ids.
+    """
+
+    def __init__(self) -> None:
+        self._prefixes: dict[str, list[int]] = {}
+        self._next_unique = 0
+
+    def prompt_ids(self, r: TraceRequest) -> list[int]:
+        if r.prompt_ids is not None:
+            return list(r.prompt_ids)
+        head = self._prefix(r.prefix_id, r.prefix_len) if r.prefix_id is not None else []
+        n = r.prompt_len - len(head)
+        if n <= 0:
+            return list(head)
+        self._next_unique += 1
+        return head + [UNIQUE_BASE + self._next_unique] + list(range(len(head) + 1, r.prompt_len))
+
+    def _prefix(self, pid: str, n: int) -> list[int]:
+        have = self._prefixes.get(pid)
+        if have is None:
+            have = [PREFIX_BASE + len(self._prefixes)]
+            self._prefixes[pid] = have
+        if len(have) < n:  # requests may share prefixes of different lengths
+            have.extend(range(len(have), n))
+        return have[:n]
+
+
+# ------------------------------------------------------------------ generators
+
+
+def _poisson_arrivals(rng: random.Random, n: int, rate: float) -> list[float]:
+    """n arrival times of a Poisson process (rate per second); rate <= 0: all at 0."""
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        if rate > 0:
+            t += rng.expovariate(rate)
+    return out
+
+
+def decode20(n: int = 20, lo: int = 55_000, hi: int = 110_000, out_lo: int = 50,
+             out_hi: int = 100, seed: int = 0) -> list[TraceRequest]:
+    """Fig. 15 (E2-1): n long-document requests arriving at once."""
+    rng = random.Random(seed)
+    return [TraceRequest(f"r{i}", 0.0, rng.randint(out_lo, out_hi), rng.randint(lo, hi))
+            for i in range(n)]
+
+
+def static(n: int = 60, lo: int = 16_384, hi: int = 122_880, out_lo: int = 50,
+           out_hi: int = 100, rate: float = 1.0, seed: int = 0) -> list[TraceRequest]:
+    """Fig. 16 static trace: one length distribution, uniform in [lo, hi], all along."""
+    rng = random.Random(seed)
+    times = _poisson_arrivals(rng, n, rate)
+    return [TraceRequest(f"s{i}", t, rng.randint(out_lo, out_hi), rng.randint(lo, hi))
+            for i, t in enumerate(times)]
+
+
+def dynamic(n: int = 60, lo: int = 16_384, hi: int = 122_880, out_lo: int = 50,
+            out_hi: int = 100, rate: float = 1.0, seed: int = 0) -> list[TraceRequest]:
+    """Fig. 16 dynamic trace: the mean length sweeps [lo, hi] uniformly over time.
+
+    Request i's mean is lo + (hi - lo) * i / (n - 1); its length is drawn
+    within +-25% of the mean, clamped to [lo, hi].
+    """
+    rng = random.Random(seed)
+    times = _poisson_arrivals(rng, n, rate)
+    out = []
+    for i, t in enumerate(times):
+        mean = lo + (hi - lo) * i / max(1, n - 1)
+        length = min(hi, max(lo, round(mean * rng.uniform(0.75, 1.25))))
+        out.append(TraceRequest(f"d{i}", t, rng.randint(out_lo, out_hi), length))
+    return out
+
+
+def arxiv_qa(articles: int = 8, questions: int = 8, article_lo: int = 8_192,
+             article_hi: int = 32_768, q_lo: int = 16, q_hi: int = 64, out_lo: int = 50,
+             out_hi: int = 150, rate: float = 1.0, seed: int = 0) -> list[TraceRequest]:
+    """Fig. 17: `questions` questions about each of `articles` articles, in random order.
+
+    Each prompt is the article (the shared prefix) followed by a question.
+    Article lengths are uniform in [article_lo, article_hi]: a synthetic
+    stand-in for arxiv-march-2023 full texts (we do not have the dataset).
+    """
+    rng = random.Random(seed)
+    lengths = [rng.randint(article_lo, article_hi) for _ in range(articles)]
+    order = [(a, q) for a in range(articles) for q in range(questions)]
+    rng.shuffle(order)
+    times = _poisson_arrivals(rng, len(order), rate)
+    out = []
+    for (a, q), t in zip(order, times):
+        plen = lengths[a] + rng.randint(q_lo, q_hi)
+        out.append(TraceRequest(f"a{a}q{q}", t, rng.randint(out_lo, out_hi), plen,
+                                prefix_id=f"article-{a}", prefix_len=lengths[a]))
+    return out
+
+
+def mmmu(n: int = 200, text_lo: int = 22, text_hi: int = 64, image_lo: int = 5_800,
+         image_hi: int = 6_586, out_lo: int = 16, out_hi: int = 64, rate: float = 2.0,
+         seed: int = 0) -> list[TraceRequest]:
+    """MMMU-pro-like shapes (Jenga §3.2: 6193 image and 43 text tokens on average).
+
+    Text and image token counts are uniform around those means; one image per
+    request, its marker first (Llama 3.2 Vision's chat template puts
+    <|image|> before the text). Outputs are short: the answers are choices.
+    """
+    rng = random.Random(seed)
+    times = _poisson_arrivals(rng, n, rate)
+    return [
+        TraceRequest(f"m{i}", t, rng.randint(out_lo, out_hi), rng.randint(text_lo, text_hi),
+                     images=(Image(f"img-{i}", 0, rng.randint(image_lo, image_hi)),))
+        for i, t in enumerate(times)
+    ]
+
+
+def sharegpt(n: int = 1000, rate: float = 2.0, max_len: int = 0,
+             seed: int = 0) -> list[TraceRequest]:
+    """The first human turn and the reply of the first n usable ShareGPT conversations.
+
+    Token counts are estimated as ceil(characters / 4); no tokenizer is run.
+    The dataset carries no timestamps, so arrivals are Poisson at `rate` per
+    second. `max_len` > 0 drops pairs whose prompt + output exceed it.
+    """
+    from kvserve.datasets.sharegpt import load_conversations
+
+    rng = random.Random(seed)
+    pairs = []
+    for conv in load_conversations():
+        pair = tuple(_est_tokens(t) for t in conv.first_exchange())
+        if max_len and sum(pair) > max_len:
+            continue
+        pairs.append(pair)
+        if len(pairs) >= n:
+            break
+    times = _poisson_arrivals(rng, len(pairs), rate)
+    return [TraceRequest(f"g{i}", t, out, prompt)
+            for i, ((prompt, out), t) in enumerate(zip(pairs, times))]
+
+
+def _est_tokens(text: str) -> int:
+    return max(1, math.ceil(len(text) / 4))
+
+
+
+
+GENERATORS: dict[str, Callable[..., list[TraceRequest]]] = {
+    "decode20": decode20,
+    "static": static,
+    "dynamic": dynamic,
+    "arxiv-qa": arxiv_qa,
+    "mmmu": mmmu,
+    "sharegpt": sharegpt,
+}
+
+
+def load_trace(spec: str) -> list[TraceRequest]:
+    """A JSONL file, or a generator as `name` / `name:key=value,...`."""
+    name, _, args = spec.partition(":")
+    if name not in GENERATORS:
+        if Path(spec).exists():
+            return read_jsonl(spec)
+        raise ValueError(f"{spec!r} is neither a file nor a generator ({sorted(GENERATORS)})")
+    gen = GENERATORS[name]
+    return gen(**_parse_kwargs(gen, args))
+
+
+def _parse_kwargs(gen: Callable, args: str) -> dict:
+    params = inspect.signature(gen).parameters
+    out: dict = {}
+    for item in filter(None, args.split(",")):
+        key, eq, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or key not in params:
+            raise ValueError(f"generator option {item!r}: expected key=value, "
+                             f"keys {sorted(params)}")
+        out[key] = type(params[key].default)(value)
+    return out

@@ -1,0 +1,123 @@
+"""The replay loop: its memory accounting is the memory core's, and it runs fast."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from sim_helpers import small_config
+
+from kvserve.memory import LayerKind
+from kvserve.sim.gpus import get_gpu
+from kvserve.sim.metrics import summary
+from kvserve.sim.models import get_model
+from kvserve.sim.simulator import OutOfMemory, SimConfig, simulate
+from kvserve.sim.traces import TraceRequest, load_trace
+
+# Gemma 3 12B: 8 full + 40 sliding (window 1024) layers; prompts well past the window.
+GEMMA = "gemma-3-12b"
+LONG = "decode20:n=8,lo=3000,hi=6000,out_lo=20,out_hi=40"
+
+
+def _expected_ideal(cfg: SimConfig, batch) -> dict[str, int]:
+    """Bytes the scheduled requests need, from their positions alone (no prefix sharing)."""
+    out: dict[str, int] = {}
+    for spec in cfg.model.kv_specs():
+        per_token = spec.num_layers * spec.bytes_per_token
+        total = 0
+        for s in batch:
+            end = s.start + s.num_tokens  # slots allocated this step
+            first = max(0, s.start - spec.window) if spec.kind is LayerKind.SLIDING else 0
+            total += (end - first) * per_token
+        out[spec.name] = total
+    return out
+
+
+@pytest.mark.parametrize("policy", ["jenga", "uniform", "max_page", "static"])
+def test_memory_accounting_equals_the_cores_stats(policy: str) -> None:
+    cfg = small_config(GEMMA, policy, kv_mib=6 << 10)
+    seen = []
+
+    def hook(kv, sched, batch) -> None:
+        st = kv.stats()
+        seen.append(st)
+        assert len(batch) == len(sched.running)  # every running request is in the step
+        expected = _expected_ideal(cfg, batch)
+        if policy == "uniform":  # one layout spec stands for both layer types
+            assert st.ideal == sum(expected.values())
+        else:
+            assert {s.name: s.ideal for s in st.specs} == expected
+        held = sum(s.used + s.evictable + s.empty for s in st.specs)
+        assert held + st.free == st.pool_bytes == kv.pool_bytes
+
+    res = simulate(load_trace(LONG), cfg, on_step=hook)
+    assert [m.stats for m in res.memory] == seen
+    assert len(res.memory) == len(res.steps)
+    s = summary(res)
+    assert s["finished"] == 8 and s["rejected"] == 0
+
+
+def test_decode_steps_count_every_token_after_the_first() -> None:
+    cfg = small_config(GEMMA, "jenga", kv_mib=20 << 10)
+    trace = load_trace(LONG)
+    res = simulate(trace, cfg)
+    assert res.preemptions == 0
+    assert sum(s.decode for s in res.steps) == sum(r.output_len - 1 for r in trace)
+    assert sum(s.prefill_tokens for s in res.steps) == sum(r.prompt_len for r in trace)
+
+
+def test_small_trace_runs_in_seconds() -> None:
+    cfg = SimConfig(get_model("llama-3.1-8b"), get_gpu("h100"), policy="jenga",
+                    max_model_len=8192)
+    t0 = time.perf_counter()
+    res = simulate(load_trace("sharegpt:n=100,rate=20,max_len=4000"), cfg)
+    assert time.perf_counter() - t0 < 5
+    assert summary(res)["finished"] == 100
+
+
+def test_idle_gaps_jump_to_the_next_arrival() -> None:
+    cfg = small_config(GEMMA, "jenga", kv_mib=4 << 10)
+    trace = [TraceRequest("a", 0.0, 5, 1000), TraceRequest("b", 100.0, 5, 1000)]
+    res = simulate(trace, cfg)
+    assert len(res.steps) == 10
+    assert res.steps[5].t == 100.0
+    assert 100.0 < res.clock < 101.0
+
+
+def test_tight_pool_preempts_and_still_finishes() -> None:
+    cfg = small_config(GEMMA, "uniform", kv_mib=3 << 10, max_num_batched_tokens=8192)
+    res = simulate(load_trace("decode20:n=6,lo=3000,hi=3500,out_lo=200,out_hi=300"), cfg)
+    s = summary(res)
+    assert s["finished"] == 6 and res.preemptions > 0
+
+
+def test_requests_that_cannot_fit_are_rejected() -> None:
+    cfg = small_config(GEMMA, "uniform", kv_mib=1 << 10, max_model_len=16384)
+    trace = [TraceRequest("big", 0.0, 5, 12000), TraceRequest("long", 0.0, 5, 20000),
+             TraceRequest("ok", 0.0, 5, 500)]
+    res = simulate(trace, cfg)
+    why = {r.id: r.rejected for r in res.requests}
+    assert "KV memory" in why["big"] and "max_model_len" in why["long"] and why["ok"] is None
+
+
+def test_oom_is_reported() -> None:
+    with pytest.raises(OutOfMemory, match="exceed"):
+        simulate([], SimConfig(get_model("llama-3.1-70b"), get_gpu("l4")))
+
+
+def test_jenga_batches_more_than_uniform_on_sliding_window_models() -> None:
+    """The direction of the paper's Fig. 15, on a small memory-bound trace."""
+    trace = load_trace(LONG)
+    batch = {p: summary(simulate(trace, small_config(GEMMA, p, kv_mib=5 << 10)))
+             for p in ("jenga", "uniform")}
+    assert batch["jenga"]["avg_decode_batch"] > 1.5 * batch["uniform"]["avg_decode_batch"]
+    assert batch["jenga"]["waste_of_held"] < 0.03 < 0.3 < batch["uniform"]["waste_of_held"]
+
+
+def test_shared_articles_hit_the_prefix_cache() -> None:
+    cfg = small_config(GEMMA, "jenga", kv_mib=20 << 10)
+    trace = load_trace("arxiv-qa:articles=2,questions=4,article_lo=2000,article_hi=3000")
+    s = summary(simulate(trace, cfg))
+    # 8 questions on 2 articles: at most 6 requests find their article cached.
+    assert 0.5 < s["hit_rate"] <= 6 / 8
+    assert s["hit_rate"] == pytest.approx(s["lookup_hit_rate"])
