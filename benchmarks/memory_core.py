@@ -29,8 +29,8 @@ from kvserve.memory.fill import (
 
 T = 16
 GEMMA = GEMMA3_MIX
-VLLM_REFERENCE_US = {"alloc_free_1": 0.9, "alloc_free_64": 0.23, "prefix_hit": 1.5,
-                     "evict_alloc_hashed": 2.2}
+VLLM_REFERENCE_US = {"alloc_free_1": 0.9, "alloc_1_decode_free": 0.9, "alloc_free_64": 0.23,
+                     "prefix_hit": 1.5, "evict_alloc_hashed": 2.2}
 
 
 def _pool(num_pages: int) -> KVCacheManager:
@@ -42,7 +42,7 @@ def _pool(num_pages: int) -> KVCacheManager:
 
 
 def bench_alloc_free(num_pages: int, batch: int, rounds: int) -> float:
-    """µs per page to allocate `batch` pages for a request and free them."""
+    """µs per page to allocate `batch` pages for a new request and free them."""
     alloc: TwoLevelAllocator = _pool(num_pages).alloc
     held = [alloc.allocate(i, [(0, 64)])[0] for i in range(num_pages // 64 // 2)]
     assert held  # half the pool stays in use, as in a busy server
@@ -52,6 +52,22 @@ def bench_alloc_free(num_pages: int, batch: int, rounds: int) -> float:
         alloc.free(0, pids, i)
         alloc.forget_request(("r", i))
     return (time.perf_counter() - t0) / (rounds * batch) * 1e6
+
+
+def bench_decode_pages(num_pages: int, rounds: int) -> float:
+    """µs per page when a running request takes pages one at a time (decode growth)
+    and frees them together when it finishes."""
+    alloc: TwoLevelAllocator = _pool(num_pages).alloc
+    k = alloc.specs[0].k
+    held = [alloc.allocate(i, [(0, 64)])[0] for i in range(num_pages // 64 // 2)]
+    assert held
+    t0 = time.perf_counter()
+    for i in range(rounds):
+        rid = ("r", i)
+        pids = [p for _ in range(k) for p in alloc.allocate(rid, [(0, 1)])[0]]
+        alloc.free(0, pids, i)
+        alloc.forget_request(rid)
+    return (time.perf_counter() - t0) / (rounds * k) * 1e6
 
 
 def _full_only(num_pages: int) -> KVCacheManager:
@@ -124,6 +140,7 @@ def main() -> None:
     n = args.pages
     us = {
         "alloc_free_1": bench_alloc_free(n, 1, 200_000),
+        "alloc_1_decode_free": bench_decode_pages(n, 40_000),
         "alloc_free_64": bench_alloc_free(n, 64, 5_000),
         "prefix_hit": bench_prefix_hit(n, 128),
         "evict_alloc_hashed": bench_evict_alloc(n, 64),

@@ -26,6 +26,8 @@ the simulator can run it at paper scale.
 from __future__ import annotations
 
 import heapq
+import itertools
+from collections import deque
 from collections.abc import Hashable, Sequence
 
 from kvserve.memory.spec import Layout
@@ -37,6 +39,33 @@ RequestId = Hashable
 
 class OutOfPages(RuntimeError):
     """Raised when an allocation cannot be satisfied; nothing was changed."""
+
+
+class LRUQueue:
+    """Min-queue of eviction entries (key..., id, stamp), stale ones skipped by the caller.
+
+    Release times only grow, so most entries arrive in key order: those go to
+    a deque in O(1); the few that arrive out of order go to a heap.
+    """
+
+    def __init__(self) -> None:
+        self.fifo: deque[tuple] = deque()
+        self.heap: list[tuple] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.fifo or self.heap)
+
+    def push(self, entry: tuple) -> None:
+        if not self.fifo or entry >= self.fifo[-1]:
+            self.fifo.append(entry)
+        else:
+            heapq.heappush(self.heap, entry)
+
+    def pop(self) -> tuple:
+        heap, fifo = self.heap, self.fifo
+        if heap and (not fifo or heap[0] < fifo[0]):
+            return heapq.heappop(heap)
+        return fifo.popleft()
 
 
 class SpecPages:
@@ -52,7 +81,7 @@ class SpecPages:
         self.plen = [0] * n  # prefix length (tie-break: evict longest first)
         self.stamp = [0] * n  # bumps whenever a heap entry for the page goes stale
         self.cached: dict[Hashable, int] = {}
-        self.heap: list[tuple[int, int, int, int]] = []  # (last, -plen, pid, stamp)
+        self.lru = LRUQueue()  # evictable pages: (last, -plen, pid, stamp)
         self.empties: dict[int, list[int]] = {}  # owned large page -> its empty pages
         self.holes: dict[int, None] = {}  # large pages with empty AND used pages
         self.by_req: dict[RequestId, dict[int, None]] = {}  # request -> its partial pages
@@ -93,7 +122,9 @@ class TwoLevelAllocator:
         self.free_large: list[list[int]] = [[] for _ in range(nparts)]
         for lp in range(num_large - 1, -1, -1):
             self.free_large[lp % nparts if partitioned else 0].append(lp)
-        self.lheap: list[list[tuple[int, int, int]]] = [[] for _ in range(nparts)]
+        # Unused large pages per partition: (time, push order, lp, stamp).
+        self.lru_large = [LRUQueue() for _ in range(nparts)]
+        self._pushes = itertools.count()
 
     # ---------------------------------------------------------------- queries
 
@@ -111,6 +142,13 @@ class TwoLevelAllocator:
         Raises OutOfPages (with nothing changed) when the pool cannot hold them
         even after evicting every evictable page.
         """
+        if len(needs) == 1 and needs[0][1] == 1:  # decode: one more page
+            sp = self.specs[needs[0][0]]
+            mine = sp.by_req.get(req)
+            if mine:  # step 1 needs no whole large page, so it cannot fail
+                out: list[int] = []
+                self._take_from(sp, next(iter(mine)), 1, out)
+                return [out]
         tight = self._plan(req, needs)
         return [self._take(s, req, n, tight) for s, n in needs]
 
@@ -259,19 +297,19 @@ class TwoLevelAllocator:
 
     def _evict_lru_large(self, p: int, m: int) -> list[int]:
         """Step 3 in bulk: evict up to m unused large pages, least recently used first."""
-        heap, lstamp, used, owner = self.lheap[p], self.lstamp, self.used, self.owner
+        queue, lstamp, used, owner = self.lru_large[p], self.lstamp, self.used, self.owner
         out: list[int] = []
-        while len(out) < m and heap:
-            _, lp, stamp = heapq.heappop(heap)
+        while len(out) < m and queue:
+            _, _, lp, stamp = queue.pop()
             if stamp == lstamp[lp] and used[lp] == 0 and owner[lp] >= 0:
                 self._evict_large(lp)
                 out.append(lp)
         return out
 
     def _pop_lru_large(self, p: int) -> int | None:
-        heap = self.lheap[p]
-        while heap:
-            _, lp, stamp = heapq.heappop(heap)
+        queue = self.lru_large[p]
+        while queue:
+            _, _, lp, stamp = queue.pop()
             if stamp == self.lstamp[lp] and self.used[lp] == 0 and self.owner[lp] >= 0:
                 return lp
         return None
@@ -339,8 +377,8 @@ class TwoLevelAllocator:
         while len(out) < n and sp.holes:
             self._take_from(sp, next(iter(sp.holes)), n - len(out), out)
         skipped = []
-        while len(out) < n and sp.heap:
-            entry = heapq.heappop(sp.heap)
+        while len(out) < n and sp.lru:
+            entry = sp.lru.pop()
             pid = entry[2]
             if entry[3] != sp.stamp[pid] or sp.state[pid] != EVICTABLE:
                 continue
@@ -356,7 +394,7 @@ class TwoLevelAllocator:
             self.used[lp] += 1
             out.append(pid)
         for entry in skipped:
-            heapq.heappush(sp.heap, entry)
+            sp.lru.push(entry)
 
     # ----------------------------------------------------------- claim / free
 
@@ -406,18 +444,10 @@ class TwoLevelAllocator:
             self._empty_runs(s, sp, emptied)
 
     def _empty_runs(self, s: int, sp: SpecPages, emptied: list[int]) -> None:
-        """Group pages by large page; a request's pages mostly come in whole runs."""
+        """Group pages by large page: a request's pages come in runs per large page."""
         k, i, n = sp.k, 0, len(emptied)
         while i < n:
-            pid = emptied[i]
-            lp = pid // k
-            j = i + k
-            # k distinct ids (a repeat would have failed above) spanning k values
-            # starting at a boundary are exactly that large page.
-            if pid % k == 0 and j <= n and max(run := emptied[i:j]) - min(run) == k - 1:
-                self._release_whole(s, sp, lp)
-                i = j
-                continue
+            lp = emptied[i] // k
             j = i + 1
             while j < n and emptied[j] // k == lp:
                 j += 1
@@ -445,7 +475,7 @@ class TwoLevelAllocator:
         sp.stamp[pid] += 1
         t = sp.last[pid]
         if sp.k > 1:  # with one page per large page, the large-page LRU covers it
-            heapq.heappush(sp.heap, (t, -sp.plen[pid], pid, sp.stamp[pid]))
+            sp.lru.push((t, -sp.plen[pid], pid, sp.stamp[pid]))
         if self.ltime[lp] < t:
             self.ltime[lp] = t
         if self.used[lp] == 0:
@@ -489,7 +519,8 @@ class TwoLevelAllocator:
         sp.holes.pop(lp, None)
         sp.n_unused_large += 1
         self.lstamp[lp] += 1
-        heapq.heappush(self.lheap[self.part[s]], (self.ltime[lp], lp, self.lstamp[lp]))
+        entry = (self.ltime[lp], next(self._pushes), lp, self.lstamp[lp])
+        self.lru_large[self.part[s]].push(entry)
 
     def _drop_empties(self, sp: SpecPages, lp: int) -> None:
         if sp.empties.pop(lp, None) is None:

@@ -95,7 +95,9 @@ class SpecManager:
 
     def free_all(self, r: RequestKV, now: int) -> None:
         table = r.tables[self.s]
-        self.alloc.free(self.s, [p for p in table if p != NO_PAGE], now)
+        # Tail first: equal times evict the longest prefix first, so this order
+        # reaches the eviction queue already sorted.
+        self.alloc.free(self.s, [p for p in reversed(table) if p != NO_PAGE], now)
         table.clear()
         for _, pid in r.pending[self.s]:
             self.alloc.free(self.s, [pid], now)
@@ -188,7 +190,7 @@ class TextStream(SpecManager):
         start = r.released[self.s]
         if upto <= start:
             return
-        gone = [p for p in table[start:upto] if p != NO_PAGE]
+        gone = [p for p in reversed(table[start:upto]) if p != NO_PAGE]
         table[start:upto] = [NO_PAGE] * (upto - start)
         r.released[self.s] = upto
         self.alloc.free(self.s, gone, now)
