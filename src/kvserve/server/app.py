@@ -1,0 +1,152 @@
+"""`kvserve serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+POST /tokenize, GET /health, GET /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvserve.server import protocol as p
+from kvserve.server.engine_loop import EngineFailure, EngineLoop, EngineSnapshot
+from kvserve.server.errors import APIError, error_response, install_error_handlers
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.serving import ClientGone, OpenAIServing
+
+if TYPE_CHECKING:
+    from kvserve.engine.engine import LLMEngine
+
+log = logging.getLogger("kvserve.server")
+
+DEFAULT_MODEL_NAME = "gemma-3-270m"
+SNAPSHOT_TIMEOUT_S = 30.0  # a scrape waits at most this long for the step in progress
+
+
+def build_app(engine: LLMEngine, model_name: str = DEFAULT_MODEL_NAME) -> FastAPI:
+    """The app around `engine`; its engine thread runs while the app's lifespan does."""
+    metrics = ServerMetrics()
+    engine_loop = EngineLoop(engine, metrics)
+    serving = OpenAIServing(engine_loop, model_name)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine_loop.start()
+        try:
+            yield
+        finally:
+            engine_loop.stop()
+            serving.close()
+
+    app = FastAPI(title="kvserve", lifespan=lifespan)
+    app.state.engine_loop, app.state.serving, app.state.metrics = engine_loop, serving, metrics
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+    _add_openai_routes(app, serving)
+    _add_ops_routes(app, engine_loop, metrics)
+    return app
+
+
+def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return serving.models()
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        serving.check_model(model)
+        return serving.model_card()
+
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, raw: Request) -> Response:
+        return await serving.completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: p.ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat(body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: p.TokenizeRequest) -> dict[str, Any]:
+        return await serving.tokenize(body)
+
+
+def _add_ops_routes(app: FastAPI, engine_loop: EngineLoop, metrics: ServerMetrics) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine_loop.alive:
+            return error_response(APIError(503, "the engine thread is not running"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        snapshot: EngineSnapshot | None = None
+        try:
+            snapshot = await asyncio.wait_for(engine_loop.snapshot(), SNAPSHOT_TIMEOUT_S)
+        except (EngineFailure, asyncio.TimeoutError):
+            log.warning("/metrics without engine figures: the engine did not answer")
+        return Response(metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+
+
+# ------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="GGUF file or HF directory (default: the packaged Gemma 3 270M)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="name clients use in 'model' (default: gemma-3-270m for the "
+                             "default model, else the file or directory name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--kv-memory", default=None,
+                        help="KV pool: bytes ('2G', '512M') or a fraction of free memory ('0.3')")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length limit (default: the model's)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="disable automatic prefix caching")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    return Path(args.model).name if args.model else DEFAULT_MODEL_NAME
+
+
+def main(args: argparse.Namespace) -> None:
+    import torch
+    import uvicorn
+
+    from kvserve.engine.engine import EngineConfig, LLMEngine
+    from kvserve.entrypoints.generate import parse_memory
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine.load(EngineConfig(
+        model=args.model, kv_memory=parse_memory(args.kv_memory),
+        dtype=getattr(torch, args.dtype), max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching))
+    name = served_model_name(args)
+    log.info("serving %s (max_model_len %d, KV pool %.0f MiB) on http://%s:%d", name,
+             engine.max_model_len, engine.kv.pool_bytes / 2**20, args.host, args.port)
+    uvicorn.run(build_app(engine, name), host=args.host, port=args.port,
+                log_level=args.log_level)

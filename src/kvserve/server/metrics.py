@@ -1,0 +1,115 @@
+"""Prometheus metrics on the server's own registry (never the process-global one).
+
+Latency histograms are observed by the engine thread as requests progress.
+Everything read from the engine (queue lengths, KV bytes per layer type,
+cumulative token counters) comes from one `EngineSnapshot` taken per scrape in
+the engine thread: `kv.stats()` walks every page, so it runs once per scrape
+and never concurrently with a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvserve.server.engine_loop import EngineSnapshot
+
+# vLLM's buckets, so dashboards built for it read these the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+UNASSIGNED = "unassigned"  # layer_type label of free large pages no layer type holds yet
+
+
+class EngineCollector(Collector):
+    """Turns the latest EngineSnapshot into metric families at scrape time."""
+
+    def __init__(self) -> None:
+        self.snapshot: EngineSnapshot | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot
+        if s is None:
+            return
+        yield _gauge("kvserve_num_requests_running", "Requests in the running batch", s.running)
+        yield _gauge("kvserve_num_requests_waiting", "Requests queued for admission", s.waiting)
+        yield from _kv_families(s)
+        yield _counter("kvserve_prefix_cache_queried_tokens",
+                       "Prompt tokens looked up in the prefix cache", s.kv.queried_tokens)
+        yield _counter("kvserve_prefix_cache_hit_tokens",
+                       "Prompt tokens served from the prefix cache", s.kv.hit_tokens)
+        yield _counter("kvserve_num_preemptions", "Requests preempted for KV space",
+                       s.preemptions)
+        yield _counter("kvserve_prompt_tokens", "Prompt tokens of accepted requests",
+                       s.prompt_tokens)
+        yield _counter("kvserve_generation_tokens", "Tokens generated", s.generation_tokens)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _kv_families(s: EngineSnapshot) -> Iterator[Metric]:
+    label = ["layer_type"]
+    used = GaugeMetricFamily("kvserve_kv_used_bytes",
+                             "KV bytes in pages held by requests", labels=label)
+    evictable = GaugeMetricFamily("kvserve_kv_evictable_bytes",
+                                  "KV bytes of cached pages no request holds", labels=label)
+    free = GaugeMetricFamily(
+        "kvserve_kv_free_bytes",
+        f"Free KV bytes: empty small pages inside a layer type's large pages, "
+        f"or free large pages (layer_type={UNASSIGNED!r})", labels=label)
+    waste = GaugeMetricFamily("kvserve_kv_wasted_bytes",
+                              "Held KV bytes the live tokens do not need", labels=label)
+    for spec in s.kv.specs:
+        used.add_metric([spec.name], spec.used)
+        evictable.add_metric([spec.name], spec.evictable)
+        free.add_metric([spec.name], spec.empty)
+        waste.add_metric([spec.name], spec.waste)
+    free.add_metric([UNASSIGNED], s.kv.free)
+    yield from (used, evictable, free, waste)
+    yield _gauge("kvserve_kv_pool_bytes", "Size of the KV pool", s.kv.pool_bytes)
+    usage = s.kv.used / s.kv.pool_bytes if s.kv.pool_bytes else 0.0
+    yield _gauge("kvserve_kv_usage_ratio", "Fraction of the KV pool held by requests", usage)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.engine = EngineCollector()
+        self.registry.register(self.engine)
+        self.ttft = Histogram("kvserve_time_to_first_token_seconds",
+                              "Arrival to first generated token", buckets=TTFT_BUCKETS,
+                              registry=self.registry)
+        self.tpot = Histogram("kvserve_time_per_output_token_seconds",
+                              "Mean time between output tokens, per request",
+                              buckets=TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("kvserve_e2e_request_latency_seconds",
+                             "Arrival to last token", buckets=E2E_BUCKETS,
+                             registry=self.registry)
+        self.finished = Counter("kvserve_request_success", "Finished requests by reason",
+                                ["finished_reason"], registry=self.registry)
+
+    def request_finished(self, reason: str) -> None:
+        self.finished.labels(finished_reason=reason).inc()
+
+    def render(self, snapshot: EngineSnapshot | None) -> bytes:
+        """The exposition text; engine families are left out when no snapshot could be had."""
+        self.engine.snapshot = snapshot
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self.engine.snapshot = None

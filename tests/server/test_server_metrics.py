@@ -1,0 +1,69 @@
+"""/metrics: parses as Prometheus text; gauges, counters and histograms move with traffic."""
+
+from __future__ import annotations
+
+import httpx
+from conftest import MODEL, LiveServer
+from prometheus_client.parser import text_string_to_metric_families
+
+EXPECTED = {
+    "kvserve_num_requests_running": "gauge",
+    "kvserve_num_requests_waiting": "gauge",
+    "kvserve_kv_used_bytes": "gauge",
+    "kvserve_kv_evictable_bytes": "gauge",
+    "kvserve_kv_free_bytes": "gauge",
+    "kvserve_kv_wasted_bytes": "gauge",
+    "kvserve_kv_pool_bytes": "gauge",
+    "kvserve_prefix_cache_queried_tokens": "counter",
+    "kvserve_prefix_cache_hit_tokens": "counter",
+    "kvserve_num_preemptions": "counter",
+    "kvserve_prompt_tokens": "counter",
+    "kvserve_generation_tokens": "counter",
+    "kvserve_time_to_first_token_seconds": "histogram",
+    "kvserve_time_per_output_token_seconds": "histogram",
+    "kvserve_e2e_request_latency_seconds": "histogram",
+}
+
+
+def _families(server: LiveServer) -> dict:
+    resp = httpx.get(f"{server.base_url}/metrics", timeout=60)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    return {f.name: f for f in text_string_to_metric_families(resp.text)}
+
+
+def test_metrics_parse_with_the_expected_families(server: LiveServer) -> None:
+    fams = _families(server)
+    for name, kind in EXPECTED.items():
+        assert name in fams and fams[name].type == kind, name
+    layer_types = {s.labels["layer_type"] for s in fams["kvserve_kv_free_bytes"].samples}
+    assert layer_types == {"full", "sliding", "unassigned"}
+    used_types = {s.labels["layer_type"] for s in fams["kvserve_kv_used_bytes"].samples}
+    assert used_types == {"full", "sliding"}
+    assert fams["kvserve_kv_pool_bytes"].samples[0].value > 0
+
+
+def test_counters_and_histograms_move_with_a_request(server: LiveServer, client) -> None:
+    def value(m: dict, name: str) -> float:
+        return m[(name, ())]
+
+    before = server.metrics()
+    out = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=3,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    after = server.metrics()
+    delta = {name: value(after, name) - value(before, name) for name in (
+        "kvserve_prompt_tokens_total", "kvserve_generation_tokens_total",
+        "kvserve_prefix_cache_queried_tokens_total", "kvserve_time_to_first_token_seconds_count",
+        "kvserve_e2e_request_latency_seconds_count",
+        "kvserve_time_per_output_token_seconds_count")}
+    assert delta == {
+        "kvserve_prompt_tokens_total": out.usage.prompt_tokens,
+        "kvserve_generation_tokens_total": 3,
+        "kvserve_prefix_cache_queried_tokens_total": out.usage.prompt_tokens,
+        "kvserve_time_to_first_token_seconds_count": 1,
+        "kvserve_e2e_request_latency_seconds_count": 1,
+        "kvserve_time_per_output_token_seconds_count": 1,
+    }
+    total = sum(v for (name, _), v in after.items()
+                if name in ("kvserve_kv_free_bytes", "kvserve_kv_used_bytes",
+                            "kvserve_kv_evictable_bytes"))
+    assert total == value(after, "kvserve_kv_pool_bytes")  # every byte is accounted for
