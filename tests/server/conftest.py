@@ -11,45 +11,16 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-import httpx
 import openai
 import pytest
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
+from server_harness import KV_MEMORY, MODEL, LiveServer
 
 from kvserve.engine.engine import EngineConfig, LLMEngine
-from kvserve.server.app import DEFAULT_MODEL_NAME, build_app
+from kvserve.server.app import build_app
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-
-KV_MEMORY = 256 << 20
-MODEL = DEFAULT_MODEL_NAME
-
-
-@dataclass
-class LiveServer:
-    base_url: str
-    engine: LLMEngine
-
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """{(sample name, sorted labels): value} from /metrics."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=60).text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-    def wait_idle(self, timeout: float = 60.0) -> dict:
-        """Poll /metrics until nothing runs or waits and no KV page is held; return it."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            used = sum(v for (name, _), v in m.items() if name == "kvserve_kv_used_bytes")
-            running = m[("kvserve_num_requests_running", ())]
-            waiting = m[("kvserve_num_requests_waiting", ())]
-            if running == waiting == used == 0 or time.monotonic() > deadline:
-                return m
-            time.sleep(0.2)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import LiveServer
+from server_harness import LiveServer
 
 from kvserve.bench import cli
 

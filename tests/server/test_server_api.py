@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 import openai
-from conftest import MODEL, LiveServer
 from hf_reference import ledger_text
+from server_harness import MODEL, LiveServer
 
 PROMPT = "The old lighthouse keeper climbed the spiral stairs every evening, and tonight he"
 CHAT = [{"role": "system", "content": "You answer briefly."},

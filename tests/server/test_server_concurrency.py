@@ -7,8 +7,8 @@ import time
 
 import httpx
 import openai
-from conftest import MODEL, LiveServer
 from hf_reference import ledger_text
+from server_harness import MODEL, LiveServer
 
 # Different lengths, so prefills of different sizes and decodes share the same steps.
 PROMPTS = [

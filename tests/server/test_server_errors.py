@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import MODEL, LiveServer
+from server_harness import MODEL, LiveServer
 
 OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
 OK_CMPL = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}

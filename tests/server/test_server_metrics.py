@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import httpx
-from conftest import MODEL, LiveServer
 from prometheus_client.parser import text_string_to_metric_families
+from server_harness import MODEL, LiveServer
 
 EXPECTED = {
     "kvserve_num_requests_running": "gauge",
