@@ -1,12 +1,12 @@
 """The ShareGPT reader: records up to the file's cut, clean alternating turns."""
 
-from kvserve.datasets.sharegpt import _clean_turns, _records, load_conversations
+from kvserve.datasets.sharegpt import _clean_turns, load_conversations, records
 
 
 def test_records_stop_at_the_cut():
     text = '[{"a": 1}, {"b": [2, 3]},\n {"c": "x"}, {"d": "unfinish'
-    assert list(_records(text)) == [{"a": 1}, {"b": [2, 3]}, {"c": "x"}]
-    assert list(_records('[{"a": 1}]')) == [{"a": 1}]
+    assert list(records(text)) == [{"a": 1}, {"b": [2, 3]}, {"c": "x"}]
+    assert list(records('[{"a": 1}]')) == [{"a": 1}]
 
 
 def test_turns_alternate_from_a_human_turn():

@@ -8,13 +8,13 @@ import statistics
 
 from kvserve.bench.dataset import (
     Limits,
-    _decode_array,
     dialogue,
     sample_sessions,
     sharegpt_records,
 )
 from kvserve.bench.report import distribution, percentile
 from kvserve.bench.serve import arrival_times
+from kvserve.datasets.sharegpt import records as decode_records
 
 
 def _conv(*turns: tuple[str, str]) -> dict:
@@ -24,8 +24,8 @@ def _conv(*turns: tuple[str, str]) -> dict:
 def test_decoding_stops_cleanly_at_a_truncated_record() -> None:
     records = [_conv(("human", "a b c d"), ("gpt", "e f g h")), {"id": "y", "conversations": []}]
     text = json.dumps(records, indent=2)
-    assert list(_decode_array(text)) == records
-    assert list(_decode_array(text[: text.rindex('"y"')])) == records[:1]
+    assert list(decode_records(text)) == records
+    assert list(decode_records(text[: text.rindex('"y"')])) == records[:1]
 
 
 def test_the_packaged_file_is_cut_and_still_yields_thousands_of_records() -> None:

