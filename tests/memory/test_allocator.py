@@ -138,7 +138,8 @@ def snapshot(alloc):
     return (
         [(list(sp.ref), bytes(sp.state), dict(sp.cached), sp.n_used, sp.n_empty, sp.n_evictable)
          for sp in alloc.specs],
-        list(alloc.owner), list(alloc.used), [sorted(f) for f in alloc.free_large],
+        list(alloc.owner), list(alloc.used), list(alloc.emask),
+        [sorted(f) for f in alloc.free_large],
     )
 
 

@@ -34,13 +34,13 @@ def snapshot(mgr: KVCacheManager):
     a = mgr.alloc
     specs = [
         (list(sp.ref), bytes(sp.state), list(sp.hash), dict(sp.cached),
-         {k: sorted(v) for k, v in sp.empties.items()}, sorted(sp.holes),
+         sorted(sp.holes), sp.n_idle_empty,
          sp.n_used, sp.n_evictable, sp.n_empty, sp.n_unused_large, sp.n_large)
         for sp in a.specs
     ]
     reqs = {k: (copy.deepcopy(r.tables), r.num_alloc, copy.deepcopy(r.pending))
             for k, r in mgr.reqs.items()}
-    return specs, list(a.owner), list(a.used), sorted(sum(a.free_large, [])), reqs
+    return specs, list(a.owner), list(a.used), list(a.emask), sorted(sum(a.free_large, [])), reqs
 
 
 class MemoryCore(RuleBasedStateMachine):

@@ -20,7 +20,12 @@ Allocation order for one small page (§5.4):
   5. evict an evictable small page of the spec, LRU (ties: longest prefix).
 
 Everything here is integers and lists: no torch, so it is fast to test and
-the simulator can run it at paper scale.
+the simulator can run it at paper scale. The hot paths (a request's next
+page, a new request's first page, freeing a request's pages) are written to
+touch as few Python objects as possible: a large page's empty small pages
+are one bitmask, a page's state follows from its ref count and hash, and a
+request's own large pages are kept as a list checked when used rather than
+updated on every free.
 """
 
 from __future__ import annotations
@@ -69,31 +74,49 @@ class LRUQueue:
 
 
 class SpecPages:
-    """Small-page state of one spec. Owned and mutated by TwoLevelAllocator."""
+    """Small-page state of one spec. Owned and mutated by TwoLevelAllocator.
+
+    A page is used when ref > 0, evictable when ref == 0 and it has a hash,
+    and empty otherwise.
+    """
+
+    __slots__ = ("k", "full", "ref", "hash", "last", "plen", "stamp", "cached", "lru", "holes",
+                 "by_req", "n_used", "n_evictable", "n_large", "n_unused_large", "n_idle_empty")
 
     def __init__(self, k: int, num_large: int) -> None:
         n = k * num_large
         self.k = k
+        self.full = (1 << k) - 1  # empty-page mask of a large page with every page empty
         self.ref = [0] * n
-        self.state = bytearray(n)
         self.hash: list[Hashable | None] = [None] * n
         self.last = [0] * n  # last access time (LRU key)
         self.plen = [0] * n  # prefix length (tie-break: evict longest first)
-        self.stamp = [0] * n  # bumps whenever a heap entry for the page goes stale
+        self.stamp = [0] * n  # bumps whenever a queue entry for the page goes stale
         self.cached: dict[Hashable, int] = {}
         self.lru = LRUQueue()  # evictable pages: (last, -plen, pid, stamp)
-        self.empties: dict[int, list[int]] = {}  # owned large page -> its empty pages
         self.holes: dict[int, None] = {}  # large pages with empty AND used pages
-        self.by_req: dict[RequestId, dict[int, None]] = {}  # request -> its partial pages
+        # request -> large pages it may hold empty pages in (checked when used)
+        self.by_req: dict[RequestId, list[int]] = {}
         self.n_used = 0
         self.n_evictable = 0
-        self.n_empty = 0  # empty pages inside owned large pages
-        self.n_unused_large = 0
         self.n_large = 0
+        self.n_unused_large = 0
+        self.n_idle_empty = 0  # empty pages inside unused large pages
+
+    @property
+    def n_empty(self) -> int:
+        """Empty pages inside owned large pages."""
+        return self.n_large * self.k - self.n_used - self.n_evictable
+
+    @property
+    def state(self) -> bytearray:
+        """EMPTY / EVICTABLE / USED per page (computed; for stats and tests)."""
+        return bytearray(USED if r else EMPTY if h is None else EVICTABLE
+                         for r, h in zip(self.ref, self.hash))
 
     def spare_in_used_large(self) -> int:
         """Empty + evictable pages inside large pages that also hold used pages."""
-        return self.n_empty + self.n_evictable - self.n_unused_large * self.k
+        return (self.n_large - self.n_unused_large) * self.k - self.n_used
 
 
 class TwoLevelAllocator:
@@ -102,6 +125,9 @@ class TwoLevelAllocator:
     `partitioned=True` gives the static baseline: the large pages are split
     equally between specs up front and never move between them.
     """
+
+    __slots__ = ("layout", "num_large", "specs", "owner", "assoc", "used", "emask", "ltime",
+                 "lstamp", "part", "free_large", "lru_large", "_pushes")
 
     def __init__(self, layout: Layout, num_large: int, partitioned: bool = False) -> None:
         if num_large <= 0:
@@ -115,6 +141,7 @@ class TwoLevelAllocator:
         self.owner = [-1] * num_large
         self.assoc: list[RequestId | None] = [None] * num_large
         self.used = [0] * num_large  # used small pages per large page
+        self.emask = [0] * num_large  # bit i set: small page i is empty (owned pages only)
         self.ltime = [0] * num_large  # latest last-access among its small pages
         self.lstamp = [0] * num_large
         self.part = list(range(nspec)) if partitioned else [0] * nspec
@@ -134,6 +161,11 @@ class TwoLevelAllocator:
     def num_free_large(self) -> int:
         return sum(len(f) for f in self.free_large)
 
+    def empty_pages(self, s: int, lp: int) -> list[int]:
+        """The empty small pages of large page `lp` (owned by spec `s`)."""
+        k, m = self.specs[s].k, self.emask[lp]
+        return [lp * k + i for i in range(k) if m >> i & 1]
+
     # ------------------------------------------------------------- allocation
 
     def allocate(self, req: RequestId, needs: Sequence[tuple[int, int]]) -> list[list[int]]:
@@ -142,15 +174,58 @@ class TwoLevelAllocator:
         Raises OutOfPages (with nothing changed) when the pool cannot hold them
         even after evicting every evictable page.
         """
-        if len(needs) == 1 and needs[0][1] == 1:  # decode: one more page
-            sp = self.specs[needs[0][0]]
+        if len(needs) == 1:  # fast paths: the request's own large page, or a fresh one
+            s, n = needs[0]
+            sp = self.specs[s]
             mine = sp.by_req.get(req)
-            if mine:  # step 1 needs no whole large page, so it cannot fail
-                out: list[int] = []
-                self._take_from(sp, next(iter(mine)), 1, out)
-                return [out]
+            if mine:
+                lp = mine[-1]
+                m = self.emask[lp]
+                # decode: the next page of the request's large page in use (inlined: hot)
+                if n == 1 and m and self.used[lp] and self.owner[lp] == s and self.assoc[lp] == req:
+                    low = m & -m
+                    self.emask[lp] = m ^ low
+                    self.used[lp] += 1
+                    sp.n_used += 1
+                    if m == low:
+                        sp.holes.pop(lp, None)
+                    pid = lp * sp.k + low.bit_length() - 1
+                    sp.ref[pid] = 1
+                    return [[pid]]
+                lp = self._own_page(sp, s, req)
+                if lp >= 0 and 0 < n <= self.emask[lp].bit_count():
+                    out: list[int] = []
+                    self._take_from(sp, lp, n, out)
+                    return [out]
+            elif 0 < n < sp.k:
+                free = self.free_large[self.part[s]]
+                if free:
+                    out = []
+                    self._assign(sp, s, free.pop(), req, n, out)
+                    return [out]
         tight = self._plan(req, needs)
         return [self._take(s, req, n, tight) for s, n in needs]
+
+    def _own_page(self, sp: SpecPages, s: int, req: RequestId) -> int:
+        """A large page of `req` with an empty page (step 1), or -1; drops stale entries."""
+        mine = sp.by_req[req]
+        owner, assoc, emask = self.owner, self.assoc, self.emask
+        while mine:
+            lp = mine[-1]
+            if emask[lp] and owner[lp] == s and assoc[lp] == req:
+                return lp
+            mine.pop()
+        return -1
+
+    def _own_pages(self, sp: SpecPages, s: int, req: RequestId) -> list[int]:
+        """Every large page of `req` with an empty page."""
+        mine = sp.by_req.get(req)
+        if not mine:
+            return []
+        owner, assoc, emask = self.owner, self.assoc, self.emask
+        valid = {lp: None for lp in mine if emask[lp] and owner[lp] == s and assoc[lp] == req}
+        mine[:] = valid
+        return mine
 
     def _plan(self, req: RequestId, needs: Sequence[tuple[int, int]]) -> bool:
         """Decide how to allocate; returns True for the hole-filling 'tight' mode.
@@ -161,20 +236,20 @@ class TwoLevelAllocator:
         pages that are in use, which succeeds exactly when the pool can hold
         the request at all.
         """
-        if self._fits_in_free_pages(req, needs):
-            return False
         nparts = len(self.free_large)
         worst, exact = [0] * nparts, [0] * nparts
+        used = self.used
         for s, n in needs:
             if n <= 0:
                 continue
             sp = self.specs[s]
             p = self.part[s]
-            mine = sp.by_req.get(req)
-            own_unused = sum(1 for lp in mine if self.used[lp] == 0) if mine else 0
+            own_unused = sum(1 for lp in self._own_pages(sp, s, req) if used[lp] == 0)
             worst[p] += -(-n // sp.k) + own_unused
             short = max(0, n - sp.spare_in_used_large())
             exact[p] += -(-short // sp.k)
+        if all(worst[p] <= len(self.free_large[p]) for p in range(nparts)):
+            return False
         supply = self._supply()
         if all(worst[p] <= supply[p] for p in range(nparts)):
             return False
@@ -182,21 +257,6 @@ class TwoLevelAllocator:
             return True
         need = {self.layout.specs[s].name: n for s, n in needs}
         raise OutOfPages(f"cannot allocate {need} small pages: pool exhausted")
-
-    def _fits_in_free_pages(self, req: RequestId, needs: Sequence[tuple[int, int]]) -> bool:
-        """Fast path of _plan: the free large pages alone cover the worst case."""
-        if len(self.free_large) != 1:
-            return False
-        worst = 0
-        used = self.used
-        for s, n in needs:
-            if n > 0:
-                sp = self.specs[s]
-                worst += -(-n // sp.k)
-                mine = sp.by_req.get(req)
-                if mine:
-                    worst += sum(1 for lp in mine if used[lp] == 0)
-        return worst <= len(self.free_large[0])
 
     def _supply(self) -> list[int]:
         """Whole large pages each partition can hand out: free or evictable."""
@@ -213,8 +273,11 @@ class TwoLevelAllocator:
         if tight:  # holes first, then only whole large pages (k pages per unit of supply)
             self._take_holes(s, n, out)
         while len(out) < n:
-            if not tight and self._take_own(sp, req, n, out):
-                continue
+            if not tight:  # step 1: the request's own large pages
+                lp = self._own_page(sp, s, req) if req in sp.by_req else -1
+                if lp >= 0:
+                    self._take_from(sp, lp, n - len(out), out)
+                    continue
             self._take_whole(s, req, (n - len(out)) // sp.k, out)
             if len(out) < n and not self._fresh_large(s, req, n - len(out), out):
                 break
@@ -223,36 +286,28 @@ class TwoLevelAllocator:
         assert len(out) == n, "allocation plan was wrong"
         return out
 
-    def _take_own(self, sp: SpecPages, req: RequestId, n: int, out: list[int]) -> bool:
-        """Step 1: empty pages in large pages associated with the request."""
-        mine = sp.by_req.get(req)
-        if not mine:
-            return False
-        lp = next(iter(mine))
-        self._take_from(sp, lp, n - len(out), out)
-        return True
-
     def _take_from(self, sp: SpecPages, lp: int, want: int, out: list[int]) -> None:
-        """Mark up to `want` empty pages of large page `lp` used."""
-        empties = sp.empties[lp]  # kept in descending order: pop from the end
-        got = empties[: -want - 1 : -1] if want < len(empties) else empties[::-1]
-        ref, state = sp.ref, sp.state
-        for pid in got:
-            ref[pid] = 1
-            state[pid] = USED
-        out.extend(got)
-        cnt = len(got)
-        if self.used[lp] == 0:
+        """Mark up to `want` empty pages of large page `lp` used, lowest first."""
+        m = self.emask[lp]
+        if self.used[lp] == 0:  # an unused large page comes back into use
             sp.n_unused_large -= 1
+            sp.n_idle_empty -= m.bit_count()
             self.lstamp[lp] += 1
+        base, ref, cnt = lp * sp.k, sp.ref, 0
+        while m and cnt < want:
+            low = m & -m
+            m ^= low
+            pid = base + low.bit_length() - 1
+            ref[pid] = 1
+            out.append(pid)
+            cnt += 1
+        self.emask[lp] = m
         self.used[lp] += cnt
         sp.n_used += cnt
-        sp.n_empty -= cnt
-        if cnt == len(empties):
-            self._drop_empties(sp, lp)
-        else:
-            del empties[-cnt:]
+        if m:
             sp.holes[lp] = None
+        else:
+            sp.holes.pop(lp, None)
 
     def _take_whole(self, s: int, req: RequestId, m: int, out: list[int]) -> None:
         """Steps 2 and 3 in bulk: up to m whole large pages, every small page used."""
@@ -265,21 +320,19 @@ class TwoLevelAllocator:
         del free[len(free) - take:]
         if len(lps) < m:
             lps += self._evict_lru_large(p, m - len(lps))
-        m = len(lps)
         sp = self.specs[s]
         k = sp.k
-        ones, used_bytes = [1] * k, bytes([USED]) * k
-        ref, state, owner, used, assoc = sp.ref, sp.state, self.owner, self.used, self.assoc
+        ones = [1] * k
+        ref, owner, used, assoc = sp.ref, self.owner, self.used, self.assoc
         for lp in lps:
             base = lp * k
             ref[base:base + k] = ones
-            state[base:base + k] = used_bytes
             out.extend(range(base, base + k))
             owner[lp] = s
             used[lp] = k
             assoc[lp] = req
-        sp.n_large += m
-        sp.n_used += m * k
+        sp.n_large += len(lps)
+        sp.n_used += len(lps) * k
 
     def _fresh_large(self, s: int, req: RequestId, want: int, out: list[int]) -> bool:
         """Steps 2 and 3: a free large page, else evict the LRU unused one."""
@@ -292,7 +345,7 @@ class TwoLevelAllocator:
             if not evicted:
                 return False
             lp = evicted[0]
-        self._assign(s, lp, req, want, out)
+        self._assign(self.specs[s], s, lp, req, want, out)
         return True
 
     def _evict_lru_large(self, p: int, m: int) -> list[int]:
@@ -311,52 +364,52 @@ class TwoLevelAllocator:
         s = self.owner[lp]
         sp = self.specs[s]
         base = lp * sp.k
-        state, hashes, cached, stamp = sp.state, sp.hash, sp.cached, sp.stamp
+        hashes, cached, stamp = sp.hash, sp.cached, sp.stamp
         for pid in range(base, base + sp.k):
-            if state[pid] == EVICTABLE:
-                del cached[hashes[pid]]
+            h = hashes[pid]
+            if h is not None:
+                del cached[h]
                 hashes[pid] = None
                 stamp[pid] += 1
-                sp.n_evictable -= 1
-            else:
-                sp.n_empty -= 1
-            state[pid] = EMPTY
-        self._drop_empties(sp, lp)
-        self._detach(s, lp)
+        sp.n_evictable -= sp.k - self.emask[lp].bit_count()
+        sp.n_idle_empty -= self.emask[lp].bit_count()
+        sp.n_unused_large -= 1
+        self._detach(sp, lp)
 
-    def _assign(self, s: int, lp: int, req: RequestId, want: int, out: list[int]) -> None:
+    def _assign(self, sp: SpecPages, s: int, lp: int, req: RequestId, want: int,
+                out: list[int]) -> None:
         """Hand a cleared large page to spec s for `req`; take `want` pages of it."""
-        sp = self.specs[s]
         k = sp.k
         base = lp * k
-        take = min(want, k)
-        sp.ref[base:base + take] = [1] * take
-        sp.state[base:base + take] = bytes([USED]) * take
-        out.extend(range(base, base + take))
+        take = want if want < k else k
+        if take == 1:
+            sp.ref[base] = 1
+            out.append(base)
+        else:
+            sp.ref[base:base + take] = [1] * take
+            out.extend(range(base, base + take))
         self.owner[lp] = s
         self.assoc[lp] = req
         self.used[lp] = take
         sp.n_large += 1
         sp.n_used += take
         if take < k:  # the rest stays with the request (§4.3)
-            sp.n_empty += k - take
-            sp.empties[lp] = list(range(base + k - 1, base + take - 1, -1))
+            self.emask[lp] = sp.full ^ ((1 << take) - 1)
             sp.holes[lp] = None
-            sp.by_req.setdefault(req, {})[lp] = None
+            mine = sp.by_req.get(req)
+            if mine is None:
+                sp.by_req[req] = [lp]
+            else:
+                mine.append(lp)
 
-    def _detach(self, s: int, lp: int) -> None:
-        """The spec gives up an unused large page (its pages already cleared)."""
-        sp = self.specs[s]
+    def _detach(self, sp: SpecPages, lp: int) -> None:
+        """The spec gives up a large page whose small pages are all cleared."""
         sp.n_large -= 1
-        sp.n_unused_large -= 1
         self.owner[lp] = -1
         self.assoc[lp] = None
+        self.emask[lp] = 0
         self.ltime[lp] = 0
         self.lstamp[lp] += 1  # drops its stale LRU entries
-
-    def _release_large(self, s: int, lp: int) -> None:
-        self._detach(s, lp)
-        self.free_large[self.part[s]].append(lp)
 
     def _take_holes(self, s: int, n: int, out: list[int]) -> None:
         """Steps 4 and 5 restricted to large pages that hold used pages.
@@ -372,7 +425,7 @@ class TwoLevelAllocator:
         while len(out) < n and sp.lru:
             entry = sp.lru.pop()
             pid = entry[2]
-            if entry[3] != sp.stamp[pid] or sp.state[pid] != EVICTABLE:
+            if entry[3] != sp.stamp[pid]:
                 continue
             lp = pid // sp.k
             if self.used[lp] == 0:
@@ -382,7 +435,6 @@ class TwoLevelAllocator:
             sp.n_evictable -= 1
             sp.n_used += 1
             sp.ref[pid] = 1
-            sp.state[pid] = USED
             self.used[lp] += 1
             out.append(pid)
         for entry in skipped:
@@ -393,76 +445,63 @@ class TwoLevelAllocator:
     def claim(self, s: int, pids: Sequence[int]) -> None:
         """Take one more reference on cached pages (a prefix hit)."""
         sp = self.specs[s]
+        ref, used = sp.ref, self.used
         for pid in pids:
-            if sp.ref[pid] == 0:
-                if sp.state[pid] != EVICTABLE:
+            if ref[pid] == 0:
+                if sp.hash[pid] is None:
                     raise ValueError(f"page {pid} of spec {s} holds no cached KV")
-                sp.state[pid] = USED
                 sp.stamp[pid] += 1
                 sp.n_evictable -= 1
                 sp.n_used += 1
                 lp = pid // sp.k
-                if self.used[lp] == 0:
+                if used[lp] == 0:
+                    m = self.emask[lp]
                     sp.n_unused_large -= 1
+                    sp.n_idle_empty -= m.bit_count()
                     self.lstamp[lp] += 1
-                    if lp in sp.empties:
+                    if m:
                         sp.holes[lp] = None
-                self.used[lp] += 1
-            sp.ref[pid] += 1
+                used[lp] += 1
+            ref[pid] += 1
 
     def free(self, s: int, pids: Sequence[int], now: int) -> None:
         """Drop one reference per page; last users leave pages evictable or empty.
 
         `now` is the step of the release; steps only grow, so the last
-        release is the page's last access.
+        release is the page's last access. Pages that become empty are
+        handed back per large page: a request's pages come in runs.
         """
         sp = self.specs[s]
-        ref, last, hashes = sp.ref, sp.last, sp.hash
-        emptied: list[int] = []
-        empty = emptied.append
+        ref, hashes, k = sp.ref, sp.hash, sp.k
+        run_lp, bits, cnt = -1, 0, 0
         for pid in pids:
             r = ref[pid] - 1
-            ref[pid] = r
-            if r == 0:
-                if hashes[pid] is None:
-                    empty(pid)
-                else:
-                    last[pid] = now
-                    self._to_evictable(s, sp, pid)
-            elif r < 0:
-                ref[pid] = 0
-                raise ValueError(f"double free of page {pid} of spec {s}")
-        if emptied:
-            self._empty_runs(s, sp, emptied)
-
-    def _empty_runs(self, s: int, sp: SpecPages, emptied: list[int]) -> None:
-        """Group pages by large page: a request's pages come in runs per large page."""
-        k, i, n = sp.k, 0, len(emptied)
-        while i < n:
-            lp = emptied[i] // k
-            j = i + 1
-            while j < n and emptied[j] // k == lp:
-                j += 1
-            self._to_empty(s, sp, lp, emptied[i:j])
-            i = j
-
-    def _release_whole(self, s: int, sp: SpecPages, lp: int) -> None:
-        """Every page of the large page just became empty: back to the free list."""
-        k = sp.k
-        sp.n_used -= k
-        sp.n_large -= 1
-        sp.state[lp * k:lp * k + k] = bytes(k)
-        self.used[lp] = 0
-        self.owner[lp] = -1
-        self.ltime[lp] = 0
-        self.lstamp[lp] += 1
-        self.free_large[self.part[s]].append(lp)
+            if r:
+                if r < 0:
+                    if cnt:
+                        self._to_empty(s, sp, run_lp, bits, cnt)
+                    raise ValueError(f"double free of page {pid} of spec {s}")
+                ref[pid] = r
+                continue
+            ref[pid] = 0
+            if hashes[pid] is not None:
+                sp.last[pid] = now
+                self._to_evictable(s, sp, pid)
+                continue
+            lp = pid // k
+            if lp != run_lp:
+                if cnt:
+                    self._to_empty(s, sp, run_lp, bits, cnt)
+                run_lp, bits, cnt = lp, 0, 0
+            bits |= 1 << (pid - lp * k)
+            cnt += 1
+        if cnt:
+            self._to_empty(s, sp, run_lp, bits, cnt)
 
     def _to_evictable(self, s: int, sp: SpecPages, pid: int) -> None:
         lp = pid // sp.k
         sp.n_used -= 1
         self.used[lp] -= 1
-        sp.state[pid] = EVICTABLE
         sp.n_evictable += 1
         sp.stamp[pid] += 1
         t = sp.last[pid]
@@ -473,34 +512,29 @@ class TwoLevelAllocator:
         if self.used[lp] == 0:
             self._became_unused(s, sp, lp)
 
-    def _to_empty(self, s: int, sp: SpecPages, lp: int, run: list[int]) -> None:
-        """Pages of one large page lost their last user and hold no cached KV."""
-        c = len(run)
-        if c == sp.k:
-            self._release_whole(s, sp, lp)
-            return
-        sp.n_used -= c
-        left = self.used[lp] - c
+    def _to_empty(self, s: int, sp: SpecPages, lp: int, bits: int, cnt: int) -> None:
+        """`cnt` pages of one large page (mask `bits`) lost their last user, no cached KV."""
+        sp.n_used -= cnt
+        left = self.used[lp] - cnt
         self.used[lp] = left
-        state = sp.state
-        for pid in run:
-            state[pid] = EMPTY
-        empties = sp.empties.get(lp)
-        have = len(empties) if empties is not None else 0
-        if left == 0 and have + c == sp.k:  # every page empty: hand the large page back
-            sp.n_empty -= have
-            self._drop_empties(sp, lp)
-            sp.n_unused_large += 1
-            self._release_large(s, lp)
+        old = self.emask[lp]
+        m = old | bits
+        if m == sp.full:  # every page empty: hand the large page back (_detach, inlined)
+            if old:
+                sp.holes.pop(lp, None)
+                self.emask[lp] = 0
+            sp.n_large -= 1
+            self.owner[lp] = -1
+            self.assoc[lp] = None
+            self.ltime[lp] = 0
+            self.lstamp[lp] += 1
+            self.free_large[self.part[s]].append(lp)
             return
-        sp.n_empty += c
-        if empties is None:
-            sp.empties[lp] = run
+        self.emask[lp] = m
+        if not old:  # its request may use the pages again (§4.3)
             mine = sp.by_req.get(self.assoc[lp])
             if mine is not None:
-                mine[lp] = None
-        else:
-            empties.extend(run)
+                mine.append(lp)
         if left:
             sp.holes[lp] = None
         else:
@@ -510,17 +544,10 @@ class TwoLevelAllocator:
         """No used page left, some cached: the large page can be evicted whole."""
         sp.holes.pop(lp, None)
         sp.n_unused_large += 1
+        sp.n_idle_empty += self.emask[lp].bit_count()
         self.lstamp[lp] += 1
         entry = (self.ltime[lp], next(self._pushes), lp, self.lstamp[lp])
         self.lru_large[self.part[s]].push(entry)
-
-    def _drop_empties(self, sp: SpecPages, lp: int) -> None:
-        if sp.empties.pop(lp, None) is None:
-            return
-        sp.holes.pop(lp, None)
-        mine = sp.by_req.get(self.assoc[lp])
-        if mine is not None:
-            mine.pop(lp, None)
 
     def forget_request(self, req: RequestId) -> None:
         """The request is gone: its large pages' empty pages serve anyone now."""

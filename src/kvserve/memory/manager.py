@@ -255,7 +255,7 @@ class KVCacheManager:
             need = sum(ideal[i] for i in self._members[m.spec.name])
             # Empty pages of large pages that only hold cache come back whole when
             # the large page is evicted: count them as reclaimable, not as waste.
-            idle = sum(len(e) for lp, e in sp.empties.items() if self.alloc.used[lp] == 0)
+            idle = sp.n_idle_empty
             used, empty = sp.n_used * pb, (sp.n_empty - idle) * pb
             out.append(SpecStats(m.spec.name, pb, used, (sp.n_evictable + idle) * pb, empty,
                                  need, used + empty - need))
