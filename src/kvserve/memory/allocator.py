@@ -197,11 +197,19 @@ class TwoLevelAllocator:
                     out: list[int] = []
                     self._take_from(sp, lp, n, out)
                     return [out]
-            elif 0 < n < sp.k:
+            elif n > 0:  # a new request: free large pages alone suffice (steps 2, 2)
                 free = self.free_large[self.part[s]]
-                if free:
+                if n == 1 == sp.k and free:  # one page that is a whole large page
+                    lp = free.pop()
+                    self._take_single(sp, s, lp)
+                    return [[lp]]
+                whole, rest = divmod(n, sp.k)
+                if whole + (rest > 0) <= len(free):
                     out = []
-                    self._assign(sp, s, free.pop(), req, n, out)
+                    if whole:
+                        self._take_whole(s, req, whole, out)
+                    if rest:
+                        self._assign(sp, s, free.pop(), req, rest, out)
                     return [out]
         tight = self._plan(req, needs)
         return [self._take(s, req, n, tight) for s, n in needs]
@@ -322,17 +330,31 @@ class TwoLevelAllocator:
             lps += self._evict_lru_large(p, m - len(lps))
         sp = self.specs[s]
         k = sp.k
-        ones = [1] * k
         ref, owner, used, assoc = sp.ref, self.owner, self.used, self.assoc
-        for lp in lps:
-            base = lp * k
-            ref[base:base + k] = ones
-            out.extend(range(base, base + k))
-            owner[lp] = s
-            used[lp] = k
-            assoc[lp] = req
+        if k == 1:  # small page = large page: nothing is left over to associate
+            for lp in lps:
+                ref[lp] = used[lp] = 1
+                owner[lp] = s
+            out.extend(lps)
+        else:
+            ones = [1] * k
+            for lp in lps:
+                base = lp * k
+                ref[base:base + k] = ones
+                out.extend(range(base, base + k))
+                owner[lp] = s
+                used[lp] = k
+                assoc[lp] = req
         sp.n_large += len(lps)
         sp.n_used += len(lps) * k
+
+    def _take_single(self, sp: SpecPages, s: int, lp: int) -> None:
+        """Use the one small page of a cleared large page (k == 1)."""
+        sp.ref[lp] = 1
+        self.owner[lp] = s
+        self.used[lp] = 1
+        sp.n_large += 1
+        sp.n_used += 1
 
     def _fresh_large(self, s: int, req: RequestId, want: int, out: list[int]) -> bool:
         """Steps 2 and 3: a free large page, else evict the LRU unused one."""
@@ -472,6 +494,9 @@ class TwoLevelAllocator:
         handed back per large page: a request's pages come in runs.
         """
         sp = self.specs[s]
+        if sp.k == 1:
+            self._free_whole_pages(s, sp, pids, now)
+            return
         ref, hashes, k = sp.ref, sp.hash, sp.k
         run_lp, bits, cnt = -1, 0, 0
         for pid in pids:
@@ -497,6 +522,32 @@ class TwoLevelAllocator:
             cnt += 1
         if cnt:
             self._to_empty(s, sp, run_lp, bits, cnt)
+
+    def _free_whole_pages(self, s: int, sp: SpecPages, pids: Sequence[int], now: int) -> None:
+        """free() for a spec whose small page is a whole large page: an empty page goes
+        straight back to the free list (nothing else of its large page to track)."""
+        ref, hashes, used, owner = sp.ref, sp.hash, self.used, self.owner
+        free = self.free_large[self.part[s]]
+        released = len(free)
+        try:
+            for pid in pids:
+                r = ref[pid] - 1
+                if r:
+                    if r < 0:
+                        raise ValueError(f"double free of page {pid} of spec {s}")
+                    ref[pid] = r
+                elif hashes[pid] is None:
+                    ref[pid] = used[pid] = 0
+                    owner[pid] = -1
+                    free.append(pid)
+                else:
+                    ref[pid] = 0
+                    sp.last[pid] = now
+                    self._to_evictable(s, sp, pid)
+        finally:
+            released = len(free) - released
+            sp.n_used -= released
+            sp.n_large -= released
 
     def _to_evictable(self, s: int, sp: SpecPages, pid: int) -> None:
         lp = pid // sp.k
