@@ -197,17 +197,20 @@ class TwoLevelAllocator:
                     out: list[int] = []
                     self._take_from(sp, lp, n, out)
                     return [out]
-            elif n > 0:  # a new request: free large pages alone suffice (steps 2, 2)
+            elif n > 0 and self.free_large[self.part[s]]:  # a new request (step 2)
                 free = self.free_large[self.part[s]]
-                if n == 1 == sp.k and free:  # one page that is a whole large page
+                if n < sp.k:  # part of one large page; the rest stays with the request
+                    out = []
+                    self._assign(sp, s, free.pop(), req, n, out)
+                    return [out]
+                if n == 1:  # k == 1: the page is a whole large page
                     lp = free.pop()
                     self._take_single(sp, s, lp)
                     return [[lp]]
                 whole, rest = divmod(n, sp.k)
                 if whole + (rest > 0) <= len(free):
                     out = []
-                    if whole:
-                        self._take_whole(s, req, whole, out)
+                    self._take_whole(s, req, whole, out)
                     if rest:
                         self._assign(sp, s, free.pop(), req, rest, out)
                     return [out]
@@ -418,11 +421,7 @@ class TwoLevelAllocator:
         if take < k:  # the rest stays with the request (§4.3)
             self.emask[lp] = sp.full ^ ((1 << take) - 1)
             sp.holes[lp] = None
-            mine = sp.by_req.get(req)
-            if mine is None:
-                sp.by_req[req] = [lp]
-            else:
-                mine.append(lp)
+            sp.by_req.setdefault(req, []).append(lp)
 
     def _detach(self, sp: SpecPages, lp: int) -> None:
         """The spec gives up a large page whose small pages are all cleared."""
