@@ -158,38 +158,34 @@ class OpenAIServing:
 
     # ----------------------------------------------------------------- streaming
 
-    async def _completion_chunks(self, group: RequestGroup, rid: str,
-                                 include_usage: bool) -> AsyncIterator[str]:
-        created, extra = p.now(), {"usage": None} if include_usage else {}
-        final: dict[int, RequestOutput] = {}
-        try:
-            async with aclosing(group.outputs()) as outs:
-                async for i, out in outs:
-                    if out.finished:
-                        final[i] = out
-                    if out.new_text or out.finished:
-                        choice = p.completion_choice(i, out.new_text, out)
-                        yield _event(p.envelope("text_completion", rid, created,
-                                                self.model_name, [choice], **extra))
-        except EngineFailure as e:
-            yield _event(error_body(APIError(500, str(e))))
-        else:
-            if include_usage:
-                yield _event(p.envelope("text_completion", rid, created, self.model_name, [],
-                                        usage=p.usage(_ordered(final))))
-        yield "data: [DONE]\n\n"
-
-    async def _chat_chunks(self, group: RequestGroup, rid: str,
+    def _completion_chunks(self, group: RequestGroup, rid: str,
                            include_usage: bool) -> AsyncIterator[str]:
+        return self._chunks(group, rid, include_usage, "text_completion",
+                            lambda i, out: p.completion_choice(i, out.new_text, out))
+
+    def _chat_chunks(self, group: RequestGroup, rid: str,
+                     include_usage: bool) -> AsyncIterator[str]:
+        # OpenAI clients expect the role first, before any content.
+        opening = [p.chat_delta(i, {"role": "assistant", "content": ""}, None)
+                   for i in range(len(group.request_ids))]
+        return self._chunks(
+            group, rid, include_usage, "chat.completion.chunk",
+            lambda i, out: p.chat_delta(i, {"content": out.new_text} if out.new_text else {}, out),
+            opening)
+
+    async def _chunks(self, group: RequestGroup, rid: str, include_usage: bool, obj: str,
+                      choice: Callable[[int, RequestOutput], dict[str, Any]],
+                      opening: list[dict[str, Any]] | None = None) -> AsyncIterator[str]:
+        """The SSE events of one streamed request group: a chunk per new text, a usage
+        chunk when asked for, an error event if the engine fails, then [DONE]."""
         created, extra = p.now(), {"usage": None} if include_usage else {}
 
         def chunk(choices: list[dict[str, Any]], **more: Any) -> str:
-            return _event(p.envelope("chat.completion.chunk", rid, created, self.model_name,
-                                     choices, **{**extra, **more}))
+            return _event(p.envelope(obj, rid, created, self.model_name, choices,
+                                     **{**extra, **more}))
 
-        # OpenAI clients expect the role first, before any content.
-        yield chunk([p.chat_delta(i, {"role": "assistant", "content": ""}, None)
-                     for i in range(len(group.request_ids))])
+        if opening:
+            yield chunk(opening)
         final: dict[int, RequestOutput] = {}
         try:
             async with aclosing(group.outputs()) as outs:
@@ -197,8 +193,7 @@ class OpenAIServing:
                     if out.finished:
                         final[i] = out
                     if out.new_text or out.finished:
-                        delta = {"content": out.new_text} if out.new_text else {}
-                        yield chunk([p.chat_delta(i, delta, out)])
+                        yield chunk([choice(i, out)])
         except EngineFailure as e:
             yield _event(error_body(APIError(500, str(e))))
         else:
