@@ -20,7 +20,10 @@ class Sampler:
         self, logits: torch.Tensor, ids: Sequence[str], params: Sequence[SamplingParams]
     ) -> list[int]:
         """One token per row of logits [B, vocab]."""
-        out = logits.argmax(dim=-1).tolist()  # exact in any float dtype: no upcast needed
+        # Greedy picks, exact in any float dtype (no upcast). max(dim) returns the same first
+        # maximal index as argmax but runs ~4x faster on CPU over a 262k vocabulary (argmax's
+        # CPU reduction is not vectorised): 7 ms instead of 30 ms for 32 rows on one core.
+        out = logits.max(dim=-1).indices.tolist()
         for i, (rid, p) in enumerate(zip(ids, params)):
             if not p.greedy:
                 out[i] = self._sample_row(logits[i].float(), p, self._generator(rid, p))

@@ -105,6 +105,18 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict names) that runs bf16 CPU inference through a
+    oneDNN-prepacked copy of its weight: see ``linear``."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.packed = PackedWeight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.packed)
+
+
 class RMSNorm(nn.Module):
     """Gemma RMSNorm: weight stored zero-centred and applied as (1 + w), computed in float32."""
 
@@ -165,9 +177,9 @@ class Gemma3Attention(nn.Module):
         kv_out = self.n_kv_heads * self.head_dim
         # q, k and v in one matmul (one read of x, one call); from_state_dict fuses
         # the checkpoint's separate projections.
-        self.qkv_proj = nn.Linear(hidden, q_out + 2 * kv_out, bias=False)
+        self.qkv_proj = Linear(hidden, q_out + 2 * kv_out)
         self.split = (q_out, kv_out, kv_out)
-        self.o_proj = nn.Linear(q_out, hidden, bias=False)
+        self.o_proj = Linear(q_out, hidden)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -187,9 +199,8 @@ class Gemma3Attention(nn.Module):
 class Gemma3MLP(nn.Module):
     def __init__(self, config: Gemma3Config) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
-                                      bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -242,13 +253,13 @@ class Gemma3ForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size)
         )
         factor = float((config.rope_scaling or {}).get("factor", 1.0))
         self.rope_local = RotaryEmbedding(config.head_dim, config.rope_local_base_freq)
         self.rope_global = RotaryEmbedding(config.head_dim, config.rope_theta, factor)
         self.embed_scale = math.sqrt(config.hidden_size)
-        self._packed_head: dict[str, torch.Tensor] = {}  # oneDNN copy of the head, CPU bf16
+        self._packed_head = PackedWeight()  # the tied head has no Linear module of its own
 
     @property
     def device(self) -> torch.device:
@@ -273,9 +284,10 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] (tied head, optional final softcapping)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = _packed_linear(hidden, weight, self._packed_head) if _can_pack(weight) else (
-            F.linear(hidden, weight))
+        if self.lm_head is None:
+            logits = linear(hidden, self.model.embed_tokens.weight, self._packed_head)
+        else:
+            logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -296,18 +308,38 @@ class Gemma3ForCausalLM(nn.Module):
         return model.to(device=device, dtype=dtype).eval()
 
 
-def _can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available())
+class PackedWeight:
+    """A oneDNN-blocked copy of one bf16 CPU weight, made on first use.
+
+    Rebuilt when the weight's storage, shape or dtype changes (``model.to``, reloading); weights
+    edited in place must be reloaded instead. The copy costs as much memory as the weight.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._packed: torch.Tensor | None = None
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (weight.data_ptr(), weight.shape, weight.dtype)
+        if key != self._key or self._packed is None:
+            # The batch-size hint (32) only picks the blocking; any row count runs on it.
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+            self._key = key
+        return self._packed
 
 
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, cache: dict) -> torch.Tensor:
-    """x @ weight.T through a oneDNN-prepacked weight: same result as F.linear, measured
-    ~1.5x faster for the 262k-row head of Gemma 3 on a 2-core AVX-512 CPU, the largest
-    matmul of every decode step. Packed once, on first use."""
-    if "w" not in cache:
-        cache["w"] = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
-    return torch.ops.mkldnn._linear_pointwise(x, cache["w"], None, "none", [], "")
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """x @ weight.T; bf16 inference on CPU goes through the prepacked weight.
+
+    Bitwise equal to F.linear on Gemma 3 270M's shapes and measured faster on a 2-core
+    AVX-512 CPU: ~1.5x for the 262k-row head, 2.3x for the layers' projections at one token and
+    ~1.2x at 32 tokens (one thread). Other dtypes, devices and autograd take F.linear.
+    """
+    if (x.device.type == "cpu" and weight.dtype == torch.bfloat16 == x.dtype
+            and not torch.is_grad_enabled() and torch.backends.mkldnn.is_available()):
+        return torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), packed.get(weight), None, "none", [], "")
+    return F.linear(x, weight)
 
 
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

@@ -13,7 +13,7 @@ behind the same two calls.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,18 @@ class _Gather:
 
     pages: torch.Tensor  # [B, P] page ids (padded with page 0, masked out)
     mask: torch.Tensor  # [B, 1, Q, P*T] bool
+    _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as an additive 0 / -inf bias, made once per step for all layers.
+
+        SDPA turns a bool mask into exactly this bias on every call; handing it over ready is
+        ~15% faster per decode attention call on CPU and gives identical results.
+        """
+        if dtype not in self._bias:
+            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._bias[dtype] = zeros.masked_fill_(~self.mask, float("-inf"))
+        return self._bias[dtype]
 
 
 class PagedAttention:
@@ -71,6 +83,10 @@ class PagedAttention:
         for s in seqs:
             offsets.append(offsets[-1] + s.num_new)
         self.row_start = offsets
+        # Built once per step, not once per layer.
+        self.decode_index = torch.tensor([offsets[i] for i in self.decode_rows],
+                                         device=self.device)
+        self.all_decode = len(self.decode_rows) == len(seqs)
         self.writes = {spec: self._write_slots(spec, pos) for spec, _ in self._windows}
         self.decode = {
             key: self._gather([seqs[i] for i in self.decode_rows], *key)
@@ -125,10 +141,12 @@ class PagedAttention:
         cache = self.pool.layer(b.spec, b.index)
         pages, offs = self.writes[b.spec]
         cache[pages, offs] = torch.stack((k, v), dim=1).to(cache.dtype)
-        out = torch.empty_like(q)
         key = (b.spec, b.window)
+        if self.all_decode:  # the steady state: rows are the sequences, no scatter needed
+            return self._attend(cache, self.decode[key], q[:, None])[:, 0]
+        out = torch.empty_like(q)
         if self.decode_rows:
-            rows = torch.tensor([self.row_start[i] for i in self.decode_rows], device=q.device)
+            rows = self.decode_index
             out[rows] = self._attend(cache, self.decode[key], q[rows][:, None])[:, 0]
         for i, g in zip(self.prefill_rows, self.prefill[key]):
             rows = slice(self.row_start[i], self.row_start[i + 1])
@@ -138,14 +156,18 @@ class PagedAttention:
     def _attend(self, cache: torch.Tensor, g: _Gather, q: torch.Tensor) -> torch.Tensor:
         """q [B, Q, Hq, D] -> [B, Q, Hq, D] over the gathered pages."""
         B, Q, Hq, D = q.shape
-        kv = cache[g.pages].to(q.dtype)  # [B, P, T, 2, Hkv, D]
-        kv = kv.flatten(1, 2)  # [B, P*T, 2, Hkv, D]
+        # One contiguous row per page (view, never a copy of the pool): index_select copies
+        # whole rows, ~5x faster on CPU than advanced indexing of the strided 5-d view.
+        page_rows = cache.view(cache.shape[0], -1)
+        kv = page_rows.index_select(0, g.pages.flatten()).to(q.dtype)
+        kv = kv.view(B, -1, *cache.shape[2:])  # [B, P*T, 2, Hkv, D]
         keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
         Hkv = keys.shape[1]
         group = Hq // Hkv
         # Grouped-query attention without copying K/V: the query heads that share
         # a KV head become extra query rows of that head.
         qg = q.view(B, Q, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Q, D)
-        mask = g.mask.repeat(1, 1, group, 1) if group > 1 and Q > 1 else g.mask
+        mask = g.bias(q.dtype)
+        mask = mask.repeat(1, 1, group, 1) if group > 1 and Q > 1 else mask
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
         return out.view(B, Hkv, group, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, Hq, D)
