@@ -9,6 +9,17 @@ import torch
 from kvserve.engine.request import SamplingParams
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The first maximal index of each row of logits [B, vocab], exact in any float dtype.
+
+    max(dim) returns the same first maximal index as argmax but runs ~4x faster on CPU over a
+    262k vocabulary (argmax's CPU reduction is not vectorised): 7 ms instead of 30 ms for 32
+    rows on one core. (A two-pass max over chunks of the row measured faster alone but not
+    inside the engine.)
+    """
+    return logits.max(dim=-1).indices
+
+
 class Sampler:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
@@ -20,10 +31,7 @@ class Sampler:
         self, logits: torch.Tensor, ids: Sequence[str], params: Sequence[SamplingParams]
     ) -> list[int]:
         """One token per row of logits [B, vocab]."""
-        # Greedy picks, exact in any float dtype (no upcast). max(dim) returns the same first
-        # maximal index as argmax but runs ~4x faster on CPU over a 262k vocabulary (argmax's
-        # CPU reduction is not vectorised): 7 ms instead of 30 ms for 32 rows on one core.
-        out = logits.max(dim=-1).indices.tolist()
+        out = greedy(logits).tolist()
         for i, (rid, p) in enumerate(zip(ids, params)):
             if not p.greedy:
                 out[i] = self._sample_row(logits[i].float(), p, self._generator(rid, p))

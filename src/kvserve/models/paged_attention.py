@@ -140,28 +140,54 @@ class PagedAttention:
         b = self.bindings[layer_idx]
         cache = self.pool.layer(b.spec, b.index)
         pages, offs = self.writes[b.spec]
-        cache[pages, offs] = torch.stack((k, v), dim=1).to(cache.dtype)
+        cache[pages, :, offs] = torch.stack((k, v), dim=1).to(cache.dtype)
         key = (b.spec, b.window)
         if self.all_decode:  # the steady state: rows are the sequences, no scatter needed
-            return self._attend(cache, self.decode[key], q[:, None])[:, 0]
+            return self._decode(cache, self.decode[key], q)
         out = torch.empty_like(q)
         if self.decode_rows:
             rows = self.decode_index
-            out[rows] = self._attend(cache, self.decode[key], q[rows][:, None])[:, 0]
+            out[rows] = self._decode(cache, self.decode[key], q[rows])
         for i, g in zip(self.prefill_rows, self.prefill[key]):
             rows = slice(self.row_start[i], self.row_start[i + 1])
-            out[rows] = self._attend(cache, g, q[rows][None])[0]
+            out[rows] = self._prefill(cache, g, q[rows][None])[0]
         return out
 
-    def _attend(self, cache: torch.Tensor, g: _Gather, q: torch.Tensor) -> torch.Tensor:
+    def _keys_values(self, cache: torch.Tensor, g: _Gather,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's keys and values, each one contiguous [B, P*T, Hkv, D] copy.
+
+        index_select over page rows (a view, never a copy of the pool) copies whole
+        pages: ~5x faster on CPU than advanced indexing of the strided view.
+        """
+        rows = cache.view(cache.shape[0], 2, -1)
+        index = g.pages.flatten()
+        B, P = g.pages.shape
+        kv = [rows[:, i].index_select(0, index).view(B, -1, *cache.shape[3:]).to(dtype)
+              for i in (0, 1)]
+        return kv[0], kv[1]
+
+    def _decode(self, cache: torch.Tensor, g: _Gather, q: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence: q [B, Hq, D] -> [B, Hq, D], as two batched matmuls.
+
+        With one query row per head, SDPA's flash kernel is ~3x slower on CPU than the
+        matmuls (which also suit GPUs at this size). Scores are rounded to the input
+        dtype, as in HF's eager attention; the softmax runs in float32.
+        """
+        B, Hq, D = q.shape
+        keys, values = self._keys_values(cache, g, q.dtype)
+        Hkv = keys.shape[2]
+        qg = q.view(B, Hkv, Hq // Hkv, D)
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float()
+        scores.mul_(self.scale).add_(g.bias(torch.float32))  # [B, Hkv, G, L]
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, values.transpose(1, 2)).view(B, Hq, D)
+
+    def _prefill(self, cache: torch.Tensor, g: _Gather, q: torch.Tensor) -> torch.Tensor:
         """q [B, Q, Hq, D] -> [B, Q, Hq, D] over the gathered pages."""
         B, Q, Hq, D = q.shape
-        # One contiguous row per page (view, never a copy of the pool): index_select copies
-        # whole rows, ~5x faster on CPU than advanced indexing of the strided 5-d view.
-        page_rows = cache.view(cache.shape[0], -1)
-        kv = page_rows.index_select(0, g.pages.flatten()).to(q.dtype)
-        kv = kv.view(B, -1, *cache.shape[2:])  # [B, P*T, 2, Hkv, D]
-        keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+        keys, values = self._keys_values(cache, g, q.dtype)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         Hkv = keys.shape[1]
         group = Hq // Hkv
         # Grouped-query attention without copying K/V: the query heads that share

@@ -2,10 +2,12 @@
 
 Jenga's page-layer partition: spec s sees the pool as pages of
 `layout.page_bytes[s]` bytes, and one page holds T tokens of *every* layer of
-the spec, laid out [layer, token, K/V, kv_head, head_dim]. A layer's view is
-then a strided tensor [num_pages, T, 2, kv_heads, head_dim] at a fixed offset
+the spec, laid out [layer, K/V, token, kv_head, head_dim]. A layer's view is
+then a strided tensor [num_pages, 2, T, kv_heads, head_dim] at a fixed offset
 inside each page, so kernels index it by page id as if it were a plain
-per-layer paged cache (Jenga §4.2: start pointer + page stride).
+per-layer paged cache (Jenga §4.2: start pointer + page stride). K and V are
+separate blocks of a page so that gathering a sequence's keys (or values)
+yields one contiguous [tokens, kv_heads, head_dim] tensor.
 """
 
 from __future__ import annotations
@@ -65,15 +67,14 @@ class KVPool:
         # Padding (max_page baseline) sits at the end of each page, unused.
         used = pages[:, : spec.page_bytes(T)].view(shape.dtype)
         per_page = page_bytes // item
+        token = shape.num_kv_heads * shape.head_dim
         typed = torch.as_strided(
             used,
-            (num_pages, spec.num_layers, T, 2, shape.num_kv_heads, shape.head_dim),
-            (per_page, T * 2 * shape.num_kv_heads * shape.head_dim,
-             2 * shape.num_kv_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim,
-             shape.head_dim, 1),
+            (num_pages, spec.num_layers, 2, T, shape.num_kv_heads, shape.head_dim),
+            (per_page, 2 * T * token, T * token, token, shape.head_dim, 1),
         )
         return [typed[:, j] for j in range(spec.num_layers)]
 
     def layer(self, spec_name: str, index: int) -> torch.Tensor:
-        """[num_pages, T, 2, kv_heads, head_dim] view of one layer of one spec."""
+        """[num_pages, 2, T, kv_heads, head_dim] view of one layer of one spec."""
         return self.views[spec_name][index]
