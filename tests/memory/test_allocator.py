@@ -158,3 +158,32 @@ def test_manager_invariants_after_oom():
     assert not mgr.allocate_slots("r", 20)
     assert mgr.allocate_slots("r", 2)
     check_invariants(mgr)
+
+
+def test_single_type_pool_fast_paths_run_out_cleanly():
+    # One spec: a small page is a whole large page, the path vLLM's BlockPool covers.
+    alloc = TwoLevelAllocator(make_layout([A], tokens_per_page=1), 3)
+    got = [alloc.allocate("r", [(0, 1)])[0] for _ in range(2)] + [alloc.allocate("s", [(0, 1)])[0]]
+    assert sorted(p for g in got for p in g) == [0, 1, 2]
+    for needs in ([(0, 1)], [(0, 2)]):
+        before = snapshot(alloc)
+        with pytest.raises(OutOfPages):
+            alloc.allocate("t", needs)
+        assert snapshot(alloc) == before
+    alloc.free(0, got[0], 1)
+    assert alloc.allocate("t", [(0, 1)])[0] == got[0]
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free(0, got[1] + got[1], 2)
+    check_invariants_alloc(alloc)
+
+
+def test_request_own_page_path_runs_out_cleanly():
+    # "r" holds 1 of 4 pages of the only large page; its own 3 pages come first, then none.
+    alloc = make(num_large=1)
+    first = alloc.allocate("r", [(0, 1)])[0]
+    more = [alloc.allocate("r", [(0, 1)])[0][0] for _ in range(3)]
+    assert sorted(first + more) == [0, 1, 2, 3]
+    before = snapshot(alloc)
+    with pytest.raises(OutOfPages):
+        alloc.allocate("r", [(0, 1)])
+    assert snapshot(alloc) == before
