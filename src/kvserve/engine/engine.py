@@ -32,7 +32,7 @@ PromptInput = str | dict | Sequence[int]
 class EngineConfig:
     model: str | None = None  # GGUF file or HF directory; None = Gemma 3 270M
     kv_memory: int | float | None = None  # bytes, or a fraction of free memory
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | str = "auto"  # or a torch dtype / its name; see resolve_dtype
     device: str | None = None
     tokens_per_page: int = 16
     max_num_seqs: int = 256
@@ -40,6 +40,23 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     policy: str = "jenga"
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
+    """"auto" is bfloat16 where the device computes it natively (CUDA with bf16, a CPU
+    whose oneDNN runs bf16: 2.2-2.5x float32's throughput on an AVX-512 BF16 CPU), else
+    float16 on older GPUs and float32 on CPUs. Names ("bfloat16") are torch dtypes."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        value = getattr(torch, dtype, None)
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}")
+        return value
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.bfloat16 if device.type == "cpu" and native else torch.float32
 
 
 def resolve_kv_bytes(kv_memory: int | float | None, device: torch.device) -> int:
@@ -66,7 +83,8 @@ class LLMEngine:
         cfg = cfg or EngineConfig()
         device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         config, state_dict, tokenizer = load_model_files(cfg.model)
-        model = Gemma3ForCausalLM.from_state_dict(config, state_dict, device, cfg.dtype)
+        dtype = resolve_dtype(cfg.dtype, device)
+        model = Gemma3ForCausalLM.from_state_dict(config, state_dict, device, dtype)
         return cls(model, tokenizer, cfg)
 
     def __init__(self, model: Gemma3ForCausalLM, tokenizer, cfg: EngineConfig) -> None:

@@ -22,12 +22,10 @@ class LLM:
         model: str | None = None,
         *,
         kv_memory: int | float | None = None,
-        dtype: torch.dtype | str = torch.float32,
+        dtype: torch.dtype | str = "auto",
         device: str | None = None,
         **engine_args: object,
     ) -> None:
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
         cfg = EngineConfig(model=model, kv_memory=kv_memory, dtype=dtype, device=device,
                            **engine_args)  # type: ignore[arg-type]
         self.engine = LLMEngine.load(cfg)

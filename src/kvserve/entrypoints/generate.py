@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--kv-memory", default=None, help="KV pool: bytes (e.g. 1G) or a fraction")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 where the device computes it natively, else float32")
 
 
 def parse_memory(text: str | None) -> int | float | None:
@@ -33,13 +34,12 @@ def parse_memory(text: str | None) -> int | float | None:
 
 
 def main(args: argparse.Namespace) -> None:
-    import torch
 
     from kvserve.engine.engine import EngineConfig, LLMEngine
     from kvserve.engine.request import SamplingParams
 
     engine = LLMEngine.load(EngineConfig(model=args.model, kv_memory=parse_memory(args.kv_memory),
-                                         dtype=getattr(torch, args.dtype)))
+                                         dtype=args.dtype))
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template(

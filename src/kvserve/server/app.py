@@ -114,7 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--kv-memory", default=None,
                         help="KV pool: bytes ('2G', '512M') or a fraction of free memory ('0.3')")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: bfloat16 where the device computes it natively, else float32")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -132,7 +133,6 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 
 def main(args: argparse.Namespace) -> None:
-    import torch
     import uvicorn
 
     from kvserve.engine.engine import EngineConfig, LLMEngine
@@ -142,7 +142,7 @@ def main(args: argparse.Namespace) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine.load(EngineConfig(
         model=args.model, kv_memory=parse_memory(args.kv_memory),
-        dtype=getattr(torch, args.dtype), max_num_seqs=args.max_num_seqs,
+        dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching))
     name = served_model_name(args)
