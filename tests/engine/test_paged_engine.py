@@ -83,6 +83,14 @@ def test_batched_greedy_matches_reference(tiny, kw):
     assert run(engine(tiny, **kw), ps) == reference(tiny, ps)
 
 
+def test_many_decoding_sequences_in_length_groups_match_reference(tiny):
+    # 40 sequences of mixed lengths decode in several length groups (one pad size each),
+    # and sequences start and finish at different steps, so the groups change mid-run.
+    ps = prompts(40, [3 + (7 * i) % 60 for i in range(40)], seed=2)
+    eng = engine(tiny, kv_memory=4 << 20, max_num_batched_tokens=512)
+    assert run(eng, ps, max_tokens=10) == reference(tiny, ps, max_tokens=10)
+
+
 def test_one_at_a_time_matches_batched(tiny):
     ps = prompts(4, LENGTHS)
     eng = engine(tiny)
