@@ -2,6 +2,7 @@
 
     python benchmarks/offline_throughput.py fixed        # 32 x 128-token prompts, 128 out
     python benchmarks/offline_throughput.py sharegpt     # ShareGPT vs transformers generate
+    python benchmarks/offline_throughput.py step --num-prompts 100   # decode step, 100 running
     python benchmarks/offline_throughput.py capacity     # concurrent requests: jenga vs uniform
     add --json to print one JSON object
 
@@ -109,6 +110,27 @@ def sharegpt(args: argparse.Namespace) -> dict:
     return result
 
 
+def decode_step(args: argparse.Namespace) -> dict:
+    """Time decode steps with --num-prompts ShareGPT requests running at once."""
+    engine = LLMEngine.load(EngineConfig(kv_memory=2 << 30, dtype=getattr(torch, args.dtype)))
+    warm(engine)
+    prompts, _ = sharegpt_workload(engine.tokenizer, args.num_prompts, args.max_input, 1)
+    reqs = [engine.add_request(f"s{i}", {"prompt_token_ids": p},
+                               SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    while not all(r.output_ids for r in reqs):  # every prompt prefilled: decode only from here
+        engine.step()
+    for _ in range(10):
+        engine.step()
+    t0, steps = time.perf_counter(), 20
+    for _ in range(steps):
+        engine.step()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    return {"workload": f"{len(prompts)} ShareGPT first turns decoding at once (input <= "
+                        f"{args.max_input})", "dtype": args.dtype,
+            "ms_per_step": round(ms, 1), "output_tok_s": round(len(prompts) / ms * 1e3, 1)}
+
+
 def capacity(args: argparse.Namespace) -> dict:
     """How many ShareGPT requests (prompt + full answer) fit a fixed KV budget at once."""
     from kvserve.engine.runner import attention_specs
@@ -134,7 +156,7 @@ def capacity(args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["fixed", "sharegpt", "capacity"])
+    ap.add_argument("what", choices=["fixed", "sharegpt", "step", "capacity"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-input", type=int, default=512)
@@ -144,7 +166,8 @@ def main() -> None:
     ap.add_argument("--kv-mib", type=int, default=512)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    result = {"fixed": fixed, "sharegpt": sharegpt, "capacity": capacity}[args.what](args)
+    run = {"fixed": fixed, "sharegpt": sharegpt, "step": decode_step, "capacity": capacity}
+    result = run[args.what](args)
     print(json.dumps(result, indent=2))
 
 
