@@ -161,11 +161,6 @@ class TwoLevelAllocator:
     def num_free_large(self) -> int:
         return sum(len(f) for f in self.free_large)
 
-    def empty_pages(self, s: int, lp: int) -> list[int]:
-        """The empty small pages of large page `lp` (owned by spec `s`)."""
-        k, m = self.specs[s].k, self.emask[lp]
-        return [lp * k + i for i in range(k) if m >> i & 1]
-
     # ------------------------------------------------------------- allocation
 
     def allocate(self, req: RequestId, needs: Sequence[tuple[int, int]]) -> list[list[int]]:
@@ -396,8 +391,9 @@ class TwoLevelAllocator:
                 del cached[h]
                 hashes[pid] = None
                 stamp[pid] += 1
-        sp.n_evictable -= sp.k - self.emask[lp].bit_count()
-        sp.n_idle_empty -= self.emask[lp].bit_count()
+        empty = self.emask[lp].bit_count()
+        sp.n_evictable -= sp.k - empty
+        sp.n_idle_empty -= empty
         sp.n_unused_large -= 1
         self._detach(sp, lp)
 
@@ -524,7 +520,12 @@ class TwoLevelAllocator:
 
     def _free_whole_pages(self, s: int, sp: SpecPages, pids: Sequence[int], now: int) -> None:
         """free() for a spec whose small page is a whole large page: an empty page goes
-        straight back to the free list (nothing else of its large page to track)."""
+        straight back to the free list (nothing else of its large page to track).
+
+        Of _detach's resets only the owner's is needed here: such a page never has an
+        empty-page mask or a request association, and its stale LRU time and stamp are
+        harmless (times only grow; a page becoming unused again gets a fresh stamp).
+        """
         ref, hashes, used, owner = sp.ref, sp.hash, self.used, self.owner
         free = self.free_large[self.part[s]]
         released = len(free)
