@@ -9,8 +9,9 @@ business. Numerics follow Hugging Face transformers' Gemma 3 so greedy outputs m
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -111,7 +112,7 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
-        self.packed = PackedWeight()
+        self.packed = Derived(_pack)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.packed)
@@ -192,8 +193,7 @@ class Gemma3Attention(nn.Module):
         self.o_proj = Linear(q_out, hidden)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.eps = config.rms_norm_eps
-        self._qk_scale: tuple[tuple, torch.Tensor] | None = None
+        self.qk_scale = Derived(partial(_qk_scale, self.n_heads, self.n_kv_heads))
 
     def forward(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend
@@ -203,22 +203,12 @@ class Gemma3Attention(nn.Module):
         # q and k heads sit side by side: norm and rotate them in one pass each (the same
         # per-head arithmetic as two passes, ~15 small ops fewer per layer).
         qk = qkv[:, : (self.n_heads + self.n_kv_heads) * D].view(n, -1, D)
-        qk = apply_rope(rms_norm(qk, self.qk_scale(), self.eps), *cos_sin)
+        scale = self.qk_scale.get(self.q_norm.weight, self.k_norm.weight)
+        qk = apply_rope(rms_norm(qk, scale, self.q_norm.eps), *cos_sin)
         q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)
         v = qkv[:, (self.n_heads + self.n_kv_heads) * D:].view(n, self.n_kv_heads, D)
         out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(n, self.n_heads * D))
-
-    def qk_scale(self) -> torch.Tensor:
-        """[q heads + kv heads, head_dim] float32 (1 + w) of q_norm then k_norm, made once
-        per pair of weight tensors (weights load after __init__; edit in place = reload)."""
-        wq, wk = self.q_norm.weight, self.k_norm.weight
-        key = (wq.data_ptr(), wk.data_ptr(), wq.dtype, wq.device)
-        if self._qk_scale is None or self._qk_scale[0] != key:
-            rows = [(1.0 + wq.detach().float()).expand(self.n_heads, -1),
-                    (1.0 + wk.detach().float()).expand(self.n_kv_heads, -1)]
-            self._qk_scale = (key, torch.cat(rows))
-        return self._qk_scale[1]
 
 
 class Gemma3MLP(nn.Module):
@@ -285,7 +275,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.rope_local = RotaryEmbedding(config.head_dim, config.rope_local_base_freq)
         self.rope_global = RotaryEmbedding(config.head_dim, config.rope_theta, factor)
         self.embed_scale = math.sqrt(config.hidden_size)
-        self._packed_head = PackedWeight()  # the tied head has no Linear module of its own
+        self._packed_head = Derived(_pack)  # the tied head has no Linear module of its own
 
     @property
     def device(self) -> torch.device:
@@ -334,27 +324,38 @@ class Gemma3ForCausalLM(nn.Module):
         return model.to(device=device, dtype=dtype).eval()
 
 
-class PackedWeight:
-    """A oneDNN-blocked copy of one bf16 CPU weight, made on first use.
+class Derived:
+    """A tensor computed from weights, made on first use and remade when a weight's storage,
+    shape, dtype or device changes (``model.to``, reloading); weights edited in place must be
+    reloaded instead. Weights load after ``__init__`` (meta device, then assigned), so what is
+    derived from them cannot be made there."""
 
-    Rebuilt when the weight's storage, shape or dtype changes (``model.to``, reloading); weights
-    edited in place must be reloaded instead. The copy costs as much memory as the weight.
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, make: Callable[..., torch.Tensor]) -> None:
+        self._make = make
         self._key: tuple | None = None
-        self._packed: torch.Tensor | None = None
+        self._value: torch.Tensor | None = None
 
-    def get(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), weight.shape, weight.dtype)
-        if key != self._key or self._packed is None:
-            # The batch-size hint (32) only picks the blocking; any row count runs on it.
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+    def get(self, *weights: torch.Tensor) -> torch.Tensor:
+        key = tuple((w.data_ptr(), w.shape, w.dtype, w.device) for w in weights)
+        if key != self._key or self._value is None:
+            self._value = self._make(*(w.detach() for w in weights))
             self._key = key
-        return self._packed
+        return self._value
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """A oneDNN-blocked copy of a bf16 CPU weight (as much memory as the weight). The
+    batch-size hint (32) only picks the blocking; any row count runs on it."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+
+
+def _qk_scale(n_heads: int, n_kv_heads: int, wq: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
+    """[q heads + kv heads, head_dim] float32 (1 + w) of q_norm, then of k_norm."""
+    return torch.cat(((1.0 + wq.float()).expand(n_heads, -1),
+                      (1.0 + wk.float()).expand(n_kv_heads, -1)))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: Derived) -> torch.Tensor:
     """x @ weight.T; bf16 inference on CPU goes through the prepacked weight.
 
     Bitwise equal to F.linear on Gemma 3 270M's shapes and measured faster on a 2-core
