@@ -42,10 +42,15 @@ def tiny():
     return model
 
 
-def engine(model, **kw):
+def engine(model, torch_decode=False, **kw):
+    """torch_decode: decode attention through torch ops (the GPU path) instead of the
+    compiled CPU kernel."""
     args = dict(kv_memory=1 << 20, tokens_per_page=4, max_num_batched_tokens=64)
     args.update(kw)
-    return LLMEngine(model, ByteTokenizer(), EngineConfig(**args))
+    eng = LLMEngine(model, ByteTokenizer(), EngineConfig(**args))
+    if torch_decode:
+        eng.runner.attn.kernel = None
+    return eng
 
 
 def run(eng, prompts, max_tokens=8):
@@ -74,7 +79,9 @@ LENGTHS = [5, 17, 3, 40, 9, 26]
 
 @pytest.mark.parametrize("kw", [
     {},
+    {"torch_decode": True},
     {"max_num_batched_tokens": 7},  # chunked prefill, several chunks per prompt
+    {"max_num_batched_tokens": 7, "torch_decode": True},
     {"tokens_per_page": 1},
     {"tokens_per_page": 16},
 ])
@@ -83,11 +90,13 @@ def test_batched_greedy_matches_reference(tiny, kw):
     assert run(engine(tiny, **kw), ps) == reference(tiny, ps)
 
 
-def test_many_decoding_sequences_in_length_groups_match_reference(tiny):
-    # 40 sequences of mixed lengths decode in several length groups (one pad size each),
-    # and sequences start and finish at different steps, so the groups change mid-run.
+@pytest.mark.parametrize("torch_decode", [False, True])
+def test_many_decoding_sequences_match_reference(tiny, torch_decode):
+    # 40 sequences of mixed lengths; with torch ops they decode in several length groups
+    # (one pad size each). Sequences start and finish at different steps, so the batch
+    # (and the groups) change mid-run.
     ps = prompts(40, [3 + (7 * i) % 60 for i in range(40)], seed=2)
-    eng = engine(tiny, kv_memory=4 << 20, max_num_batched_tokens=512)
+    eng = engine(tiny, torch_decode, kv_memory=4 << 20, max_num_batched_tokens=512)
     assert run(eng, ps, max_tokens=10) == reference(tiny, ps, max_tokens=10)
 
 

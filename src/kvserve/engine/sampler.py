@@ -7,16 +7,19 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.engine.request import SamplingParams
+from kvserve.kernels.cpu import kernels_for
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The first maximal index of each row of logits [B, vocab], exact in any float dtype.
 
-    max(dim) returns the same first maximal index as argmax but runs ~4x faster on CPU over a
-    262k vocabulary (argmax's CPU reduction is not vectorised): 7 ms instead of 30 ms for 32
-    rows on one core. (A two-pass max over chunks of the row measured faster alone but not
-    inside the engine.)
+    On CPU a compiled pass (kvserve.kernels); elsewhere max(dim), which returns the same first
+    maximal index as argmax but runs ~4x faster than argmax on CPU (argmax's CPU reduction is
+    not vectorised).
     """
+    k = kernels_for(logits)
+    if k is not None and logits.is_contiguous():
+        return k.argmax(logits)
     return logits.max(dim=-1).indices
 
 

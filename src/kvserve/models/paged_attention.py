@@ -1,13 +1,12 @@
 """Paged attention over the shared KV pool (the engine's attention backend).
 
 Each step the runner describes the batch once (`prepare`); every layer then
-writes its new K/V into the pages of its own spec and attends. Decode
-sequences (one new token each) are batched into one padded SDPA call per
-layer; prefill chunks run one sequence at a time. Masks follow HF: a query at
+writes its new K/V into the pages of its own spec and attends. On CPU, decode
+sequences (one new token each) go to a compiled kernel that reads their pages
+in place (`kvserve.kernels.cpu`); elsewhere they are gathered into a few
+padded groups of similar length and attend with two batched matmuls. Prefill
+chunks run one sequence at a time through SDPA. Masks follow HF: a query at
 position p sees keys k <= p, and on sliding layers k > p - window.
-
-This is the portable (CPU/CUDA) backend; a fused kernel can replace it
-behind the same two calls.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.cpu import kernels_for
 from kvserve.physical.pool import KVPool
 
 
@@ -86,6 +86,9 @@ class PagedAttention:
         self.T = block_size
         self.device = pool.device
         self._windows = sorted({(b.spec, b.window) for b in self.bindings})
+        views = [v for per_spec in pool.views.values() for v in per_spec]
+        kernels = kernels_for(views[0]) if len({v.dtype for v in views}) == 1 else None
+        self.kernel = kernels.paged_decode if kernels else None
 
     # ----------------------------------------------------------------- prepare
 
@@ -101,13 +104,18 @@ class PagedAttention:
             offsets.append(offsets[-1] + s.num_new)
         self.row_start = offsets
         # Built once per step, not once per layer.
-        groups = _length_groups(self.decode_rows, [s.start for s in seqs])
+        self.writes = {spec: self._write_slots(spec, pos) for spec, _ in self._windows}
+        if self.kernel:  # the kernel takes every decode row at once, unpadded
+            groups = [self.decode_rows] if self.decode_rows else []
+            self.decode = {key: [self._page_ranges([seqs[i] for i in g], *key) for g in groups]
+                           for key in self._windows}
+        else:
+            groups = _length_groups(self.decode_rows, [s.start for s in seqs])
+            self.decode = {key: [self._gather([seqs[i] for i in g], *key) for g in groups]
+                           for key in self._windows}
         self.decode_groups = [torch.tensor([offsets[i] for i in g], device=self.device)
                               for g in groups]
         self.all_decode = len(self.decode_rows) == len(seqs) and len(groups) == 1
-        self.writes = {spec: self._write_slots(spec, pos) for spec, _ in self._windows}
-        self.decode = {key: [self._gather([seqs[i] for i in g], *key) for g in groups]
-                       for key in self._windows}
         self.prefill = {
             key: [self._gather([seqs[i]], *key) for i in self.prefill_rows]
             for key in self._windows
@@ -122,6 +130,20 @@ class PagedAttention:
         if min(pages) < 0:
             raise RuntimeError(f"spec {spec!r}: a new token has no page")
         return (torch.tensor(pages, device=self.device), (pos % self.T).to(self.device))
+
+    def _page_ranges(self, group: Sequence[SeqStep], spec: str,
+                     window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For the decode kernel: each sequence's pages from its first visible key on, that
+        key's position and the number of keys, as int32 [B, P], [B], [B]."""
+        T = self.T
+        lo = [max(0, s.start - window + 1) if window else 0 for s in group]
+        rows = [s.tables[spec][first // T:s.start // T + 1] for s, first in zip(group, lo)]
+        if any(min(r) < 0 for r in rows):
+            raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
+        P = max(len(r) for r in rows)
+        pages = torch.tensor([r + [0] * (P - len(r)) for r in rows], dtype=torch.int32)
+        n = torch.tensor([s.start + 1 - first for s, first in zip(group, lo)], dtype=torch.int32)
+        return pages, torch.tensor(lo, dtype=torch.int32), n
 
     def _gather(self, group: Sequence[SeqStep], spec: str, window: int) -> _Gather:
         """Gather whole pages (one index per page, not per token); the mask trims them."""
@@ -158,11 +180,14 @@ class PagedAttention:
         pages, offs = self.writes[b.spec]
         cache[pages, :, offs] = torch.stack((k, v), dim=1).to(cache.dtype)
         key = (b.spec, b.window)
+        if self.all_decode and self.kernel:
+            return self.kernel(q, cache, *self.decode[key][0], self.scale)
         if self.all_decode:  # rows are the sequences, in one group: no scatter needed
             return self._decode(cache, self.decode[key][0], q)
         out = torch.empty_like(q)
         for rows, g in zip(self.decode_groups, self.decode[key]):
-            out[rows] = self._decode(cache, g, q[rows])
+            out[rows] = (self.kernel(q[rows], cache, *g, self.scale) if self.kernel
+                         else self._decode(cache, g, q[rows]))
         for i, g in zip(self.prefill_rows, self.prefill[key]):
             rows = slice(self.row_start[i], self.row_start[i + 1])
             out[rows] = self._prefill(cache, g, q[rows][None])[0]

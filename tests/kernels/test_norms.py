@@ -1,0 +1,82 @@
+"""The fused norm kernels and the greedy argmax against the torch ops they replace.
+
+Each value is rounded at the same points as the ops round it, so results differ only by
+float32 summation order in the mean: in bfloat16 that almost never survives the rounding
+(a rare value lands one bf16 step away), in float32 it is an ulp or so.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.models.gemma3 import RotaryEmbedding, apply_rope, rms_norm
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(got, want):
+    if want.dtype == torch.bfloat16:
+        # the rare value whose float32 sum order flips a bf16 rounding is one step off (and
+        # RoPE's sum of two rounded products can carry that step to a smaller result)
+        assert (got != want).float().mean() < 0.01
+        torch.testing.assert_close(got, want, atol=2 ** -7, rtol=2 ** -7)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from(DTYPES), n=st.integers(1, 40),
+       H=st.integers(1, 6), D=st.sampled_from([2, 16, 256]), rope=st.booleans())
+def test_norm_rope_matches_ops(kernels, seed, dtype, n, H, D, rope):
+    g = torch.Generator().manual_seed(seed)
+    # a slice of a wider row, as the q/k heads of the fused qkv projection are
+    x = (torch.randn(n, H + 1, D, generator=g) * 4).to(dtype)[:, :H]
+    scale = 1 + torch.randn(H, D, generator=g) * 0.1
+    cos_sin = (RotaryEmbedding(D, 10_000.0).cos_sin(torch.arange(7, 7 + n), dtype)
+               if rope else None)
+    want = rms_norm(x, scale, 1e-6)
+    if rope:
+        want = apply_rope(want, *cos_sin)
+    close(kernels.norm_rope(x, scale, 1e-6, cos_sin), want)
+    kernels.norm_rope(x, scale, 1e-6, cos_sin, out=x)  # in place, as the attention does
+    close(x, want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from(DTYPES), n=st.integers(1, 40),
+       D=st.sampled_from([8, 640]), chained=st.booleans())
+def test_add_norm_matches_ops(kernels, seed, dtype, n, D, chained):
+    g = torch.Generator().manual_seed(seed)
+    x, h = (torch.randn(2, n, D, generator=g) * 3).to(dtype)
+    w_add, w_next = 1 + torch.randn(2, D, generator=g) * 0.1
+    want_x = x + rms_norm(h, w_add, 1e-6)
+    y = kernels.add_norm(x, h, w_add, 1e-6, w_next if chained else None)
+    close(x, want_x)
+    if chained:
+        close(y, rms_norm(x, w_next, 1e-6))  # the norm of the sum as x holds it
+    else:
+        assert y is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from(DTYPES), B=st.integers(1, 9),
+       V=st.integers(1, 5000), ties=st.booleans())
+def test_argmax_is_the_first_maximum(kernels, seed, dtype, B, V, ties):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, V, generator=g).to(dtype)
+    if ties:  # a few coarse values: many rows hold their maximum more than once
+        logits = logits.round()
+    logits[0] = float("-inf")
+    assert torch.equal(kernels.argmax(logits), logits.max(dim=-1).indices)
+
+
+def test_bad_shapes_are_refused(kernels):
+    with pytest.raises(ValueError):
+        kernels.norm_rope(torch.zeros(2, 1, 3), torch.ones(1, 3), 1e-6)  # odd head dim
+    with pytest.raises(ValueError):
+        kernels.add_norm(torch.zeros(2, 4), torch.zeros(2, 4).bfloat16(), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError):
+        kernels.argmax(torch.zeros(4, 6).t())
+    with pytest.raises(ValueError, match="scale"):
+        kernels.norm_rope(torch.zeros(2, 1, 4), torch.ones(1, 4).double(), 1e-6)
