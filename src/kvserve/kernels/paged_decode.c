@@ -45,29 +45,40 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
     return s;
 }
 
+/* scale the raw scores, softmax each head's row in float32 */
+static void softmax(float *sc, int n, int G, float scale, int is_bf16) {
+    for (int g = 0; g < G; g++) {
+        float *s = sc + (size_t)g * n, m = -INFINITY, sum = 0.f;
+        for (int i = 0; i < n; i++) {
+            s[i] = (is_bf16 ? bf16_round(s[i]) : s[i]) * scale;
+            m = s[i] > m ? s[i] : m;
+        }
+        for (int i = 0; i < n; i++) { s[i] = expf(s[i] - m); sum += s[i]; }
+        const float inv = 1.f / sum;
+        for (int i = 0; i < n; i++) s[i] = is_bf16 ? bf16_round(s[i] * inv) : s[i] * inv;
+    }
+}
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define HAVE_BF16_DOT 1
-#define AHEAD 8  /* keys prefetched ahead */
+#define INLINE static inline __attribute__((always_inline))
 
-/* sc[g * n + i] = q_g . k_i for G heads, two keys at a time so that 2G independent
- * accumulators hide the dot instruction's latency. q is [G][D] bf16, D % 32 == 0.
- * Rows sit on scattered pages, which defeats the hardware prefetcher: the key and value
- * rows a few keys ahead are prefetched here (the values are read next, from cache). */
-static void scores_bf16(const uint16_t *q, const uint16_t *const *rows,
-                        const uint16_t *const *vals, int n, int G, int D, float *sc) {
-    __m512 acc[16];
+/* The bf16 paths are written for a compile-time G (query heads per KV head), instantiated
+ * below for 1, 2, 4 and 8: with G known the accumulators live in registers; indexed by a
+ * runtime G they spill to memory and each dot instruction waits on a store. */
+
+/* sc[g * n + i] = q_g . k_i, two keys at a time so that 2G independent accumulators hide
+ * the dot instruction's latency. q is [G][D] bf16, D % 32 == 0. */
+INLINE void scores_g(const int G, const uint16_t *q, const uint16_t *const *rows, int n,
+                     int D, float *sc) {
     for (int i = 0; i < n; i += 2) {
-        const int two = i + 1 < n;
-        for (int j = i + AHEAD; j < i + AHEAD + 2 && j < n; j++)
-            for (int d = 0; d < D; d += 32) {
-                __builtin_prefetch(rows[j] + d);
-                __builtin_prefetch(vals[j] + d);
-            }
+        const uint16_t *r0 = rows[i], *r1 = rows[i + 1 < n ? i + 1 : i];
+        __m512 acc[16];
         for (int a = 0; a < 2 * G; a++) acc[a] = _mm512_setzero_ps();
         for (int d = 0; d < D; d += 32) {
-            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(rows[i] + d);
-            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(rows[i + two] + d);
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(r0 + d);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(r1 + d);
             for (int g = 0; g < G; g++) {
                 const __m512bh qg = (__m512bh)_mm512_loadu_si512(q + (size_t)g * D + d);
                 acc[2 * g] = _mm512_dpbf16_ps(acc[2 * g], qg, k0);
@@ -76,7 +87,7 @@ static void scores_bf16(const uint16_t *q, const uint16_t *const *rows,
         }
         for (int g = 0; g < G; g++) {
             sc[(size_t)g * n + i] = _mm512_reduce_add_ps(acc[2 * g]);
-            if (two) sc[(size_t)g * n + i + 1] = _mm512_reduce_add_ps(acc[2 * g + 1]);
+            if (i + 1 < n) sc[(size_t)g * n + i + 1] = _mm512_reduce_add_ps(acc[2 * g + 1]);
         }
     }
 }
@@ -84,41 +95,115 @@ static void scores_bf16(const uint16_t *q, const uint16_t *const *rows,
 /* acc[g][:] = sum_i p[g * n + i] v_i, with p already bf16-exact. Keys go in pairs: their
  * value rows are interleaved so one dot instruction does two keys. The interleave works
  * within 128-bit lanes, so each 32-wide block of acc comes out in a fixed permuted order
- * that `unpermute` undoes. Blocks of 64 dims keep 4G accumulators in registers. */
-static void values_bf16(const float *p, const uint16_t *const *rows, const uint16_t *zero,
-                        int n, int G, int D, float *acc) {
-    for (int d = 0; d < D; d += 64) {
+ * that the store undoes. Blocks of 64 dims (32 for G = 8) keep the accumulators in
+ * registers. */
+INLINE void values_g(const int G, const float *p, const uint16_t *const *rows,
+                     const uint16_t *zero, int n, int D, float *acc, int32_t *pairs) {
+    const int W = G == 8 ? 1 : 2;  /* 32-dim halves per block */
+    const int n2 = (n + 1) / 2;
+    /* pairs[g][i / 2] = (p_i, p_i+1) as two bf16 in one 32-bit lane */
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < n; i += 2) {
+            const float p1 = i + 1 < n ? p[(size_t)g * n + i + 1] : 0.f;
+            pairs[(size_t)g * n2 + i / 2] = (int32_t)((uint32_t)bf16_store(p[(size_t)g * n + i])
+                                                      | (uint32_t)bf16_store(p1) << 16);
+        }
+    for (int d = 0; d < D; d += 32 * W) {
         __m512 a[32];
-        for (int j = 0; j < 4 * G; j++) a[j] = _mm512_setzero_ps();
+        for (int j = 0; j < 2 * W * G; j++) a[j] = _mm512_setzero_ps();
         for (int i = 0; i < n; i += 2) {
             const uint16_t *r0 = rows[i] + d, *r1 = i + 1 < n ? rows[i + 1] + d : zero;
             __m512i v[4];
-            for (int h = 0; h < 2; h++) {
+            for (int h = 0; h < W; h++) {
                 const __m512i x = _mm512_loadu_si512(r0 + 32 * h);
                 const __m512i y = _mm512_loadu_si512(r1 + 32 * h);
                 v[2 * h] = _mm512_unpacklo_epi16(x, y);
                 v[2 * h + 1] = _mm512_unpackhi_epi16(x, y);
             }
             for (int g = 0; g < G; g++) {
-                const float p1 = i + 1 < n ? p[(size_t)g * n + i + 1] : 0.f;
-                const uint32_t pair = (uint32_t)bf16_store(p[(size_t)g * n + i])
-                                      | (uint32_t)bf16_store(p1) << 16;
-                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
-                for (int j = 0; j < 4; j++)
-                    a[4 * g + j] = _mm512_dpbf16_ps(a[4 * g + j], pp, (__m512bh)v[j]);
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32(pairs[(size_t)g * n2 + i / 2]);
+                for (int j = 0; j < 2 * W; j++)
+                    a[2 * W * g + j] = _mm512_dpbf16_ps(a[2 * W * g + j], pp, (__m512bh)v[j]);
             }
         }
         for (int g = 0; g < G; g++)
-            for (int h = 0; h < 2; h++) {
+            for (int h = 0; h < W; h++) {
                 /* lane l of unpacklo holds dim 8*(l/4) + l%4 of the block, unpackhi the +4 */
                 float lo[16], hi[16], *o = acc + (size_t)g * D + d + 32 * h;
-                _mm512_storeu_ps(lo, a[4 * g + 2 * h]);
-                _mm512_storeu_ps(hi, a[4 * g + 2 * h + 1]);
+                _mm512_storeu_ps(lo, a[2 * W * g + 2 * h]);
+                _mm512_storeu_ps(hi, a[2 * W * g + 2 * h + 1]);
                 for (int l = 0; l < 16; l++) {
                     o[8 * (l / 4) + l % 4] = lo[l];
                     o[8 * (l / 4) + l % 4 + 4] = hi[l];
                 }
             }
+    }
+}
+
+/* e^x for x <= 0 (scores minus their max): Cody-Waite reduction to r in [-ln2/2, ln2/2],
+ * a degree-6 Taylor polynomial, 2^n by scalef. Within 2 ulp of expf, far below the bf16
+ * rounding that the probabilities get next. */
+INLINE __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));  /* e^-103 is 0 in float32 */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+INLINE __m512 bf16_round512(__m512 x) {  /* round to nearest even, keep as float32 */
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* softmax() for bf16 scores, 16 at a time (scores are finite: no NaN handling needed) */
+static void softmax_bf16(float *sc, int n, int G, float scale) {
+    for (int g = 0; g < G; g++) {
+        float *s = sc + (size_t)g * n;
+        __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int i = 0; i < n; i += 16) {
+            const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+            __m512 x = _mm512_maskz_loadu_ps(k, s + i);
+            x = _mm512_mul_ps(bf16_round512(x), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(s + i, k, x);
+            m = _mm512_mask_max_ps(m, k, m, x);
+        }
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        for (int i = 0; i < n; i += 16) {
+            const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mx));
+            _mm512_mask_storeu_ps(s + i, k, e);
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+        for (int i = 0; i < n; i += 16) {
+            const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+            const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv);
+            _mm512_mask_storeu_ps(s + i, k, bf16_round512(x));
+        }
+    }
+}
+
+/* Returns 0 where G has no instance (the caller takes the float32 path). */
+static int attend_bf16(int G, const uint16_t *q, const uint16_t *const *keys,
+                       const uint16_t *const *vals, const uint16_t *zero, int n, int D,
+                       float scale, float *sc, float *acc, int32_t *pairs) {
+    switch (G) {
+#define CASE(g) case g: scores_g(g, q, keys, n, D, sc); softmax_bf16(sc, n, g, scale); \
+                        values_g(g, sc, vals, zero, n, D, acc, pairs); return 1;
+    CASE(1) CASE(2) CASE(4) CASE(8)
+#undef CASE
+    default: return 0;
     }
 }
 #endif
@@ -146,44 +231,26 @@ static void values_f32(const float *p, const char *const *rows, int n, int G, in
     }
 }
 
-/* scale the raw scores, softmax each head's row in float32 */
-static void softmax(float *sc, int n, int G, float scale, int is_bf16) {
-    for (int g = 0; g < G; g++) {
-        float *s = sc + (size_t)g * n, m = -INFINITY, sum = 0.f;
-        for (int i = 0; i < n; i++) {
-            s[i] = (is_bf16 ? bf16_round(s[i]) : s[i]) * scale;
-            m = s[i] > m ? s[i] : m;
-        }
-        for (int i = 0; i < n; i++) { s[i] = expf(s[i] - m); sum += s[i]; }
-        const float inv = 1.f / sum;
-        for (int i = 0; i < n; i++) s[i] = is_bf16 ? bf16_round(s[i] * inv) : s[i] * inv;
-    }
-}
-
-/* One (sequence, KV head) item. scratch holds (3G + 1) D + G n floats and n pointers. */
+/* One (sequence, KV head) item. scratch holds (3G + 1) D + G (2n + 1) floats. */
 static void attend(const char *qb, int64_t q_sh, const char *const *keys, const char **vals,
                    int64_t kv_bytes, int n, int G, int D, float scale, int is_bf16,
                    float *scratch, char *out) {
     const size_t esize = is_bf16 ? 2 : 4;
     float *qf = scratch, *acc = qf + (size_t)G * D, *row = acc + (size_t)G * D, *sc = row + D;
     for (int i = 0; i < n; i++) vals[i] = keys[i] + kv_bytes;
+    int done = 0;
 #ifdef HAVE_BF16_DOT
-    const int fast = is_bf16 && D % 64 == 0 && G <= 8;
-#else
-    const int fast = 0;
-#endif
-    if (fast) {
-#ifdef HAVE_BF16_DOT
+    if (is_bf16 && D % 64 == 0) {
         uint16_t *q16 = (uint16_t *)qf;  /* the query heads as one [G][D] bf16 block */
         for (int g = 0; g < G; g++)
             memcpy(q16 + (size_t)g * D, qb + (size_t)g * q_sh * esize, (size_t)D * 2);
-        scores_bf16(q16, (const uint16_t *const *)keys, (const uint16_t *const *)vals, n, G, D,
-                    sc);
-        softmax(sc, n, G, scale, is_bf16);
         memset(row, 0, sizeof(float) * D);
-        values_bf16(sc, (const uint16_t *const *)vals, (const uint16_t *)row, n, G, D, acc);
+        done = attend_bf16(G, q16, (const uint16_t *const *)keys, (const uint16_t *const *)vals,
+                           (const uint16_t *)row, n, D, scale, sc, acc,
+                           (int32_t *)(sc + (size_t)G * n));
+    }
 #endif
-    } else {
+    if (!done) {
         for (int g = 0; g < G; g++) load_row(qb + (size_t)g * q_sh * esize, qf + (size_t)g * D,
                                              D, is_bf16);
         scores_f32(qf, keys, n, G, D, is_bf16, row, sc);
@@ -217,7 +284,7 @@ int kvs_paged_decode(
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
     for (int item = 0; item < B * Hkv; item++) {
         const int b = item / Hkv, h = item % Hkv, n = n_keys[b], first = lo[b];
-        const size_t floats = (size_t)(3 * G + 1) * D + (size_t)G * n;
+        const size_t floats = (size_t)(3 * G + 1) * D + (size_t)G * (2 * n + 1);
         char *mem = malloc(floats * sizeof(float) + 2 * (size_t)n * sizeof(char *));
         if (!mem) { failed = 1; continue; }
         const char **keys = (const char **)(mem + floats * sizeof(float)), **vals = keys + n;
