@@ -76,6 +76,8 @@ class CpuKernels:
         lib.kvs_add_norm.restype = None
         lib.kvs_add_norm.argtypes = [vp, vp, c_int, c_int, f32p, f32p, ctypes.c_float, c_int,
                                      vp, c_int]
+        lib.kvs_gelu_mul.restype = None
+        lib.kvs_gelu_mul.argtypes = [vp, c_int, c_int, c_int, vp, c_int]
         lib.kvs_argmax.restype = None
         lib.kvs_argmax.argtypes = [vp, c_int, i64, c_int, i64p, c_int]
         self.lib = lib
@@ -116,6 +118,16 @@ class CpuKernels:
             None if w_next is None else _f32_ptr(w_next, D), eps, _DTYPES[x.dtype],
             None if y is None else y.data_ptr(), torch.get_num_threads())
         return y
+
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up for gate_up [n, 2I] = [gate | up] (contiguous) -> [n, I]."""
+        n, I2 = gate_up.shape
+        if gate_up.dtype not in _DTYPES or not gate_up.is_contiguous() or I2 % 2:
+            raise ValueError("gelu_mul: contiguous float32/bfloat16 [n, 2I]")
+        out = torch.empty((n, I2 // 2), dtype=gate_up.dtype)
+        self.lib.kvs_gelu_mul(gate_up.data_ptr(), n, I2 // 2, _DTYPES[gate_up.dtype],
+                              out.data_ptr(), torch.get_num_threads())
+        return out
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """First index of each row's maximum, logits [B, V] contiguous -> int64 [B]."""

@@ -1,0 +1,69 @@
+/* Gemma's gated MLP activation, gelu_tanh(gate) * up, in one pass (CPU).
+ *
+ * As torch ops it is two passes over a [tokens, intermediate] buffer (gelu, then the
+ * product), and torch's tanh-GELU is slow on bf16 (~1 ns per element here). This is
+ * written so the compiler vectorises all of it; each value is rounded where the ops round
+ * it (gelu's result, then the product), so results differ only where this exp's last ulp
+ * differs from the library's tanh and survives that rounding.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef union { uint32_t u; float f; } bits;
+
+static inline float bf16_load(uint16_t x) { bits b; b.u = (uint32_t)x << 16; return b.f; }
+
+static inline uint16_t bf16_store(float f) {
+    bits b; b.f = f;
+    if ((b.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b.u >> 16) | 0x40);
+    return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
+}
+
+/* e^x for x <= 0: Cody-Waite reduction, degree-6 Taylor polynomial, 2^n built in the
+ * exponent bits; 0 below -87 (where 2^n would leave the normal range). */
+static inline float exp_le0(float x) {
+    const float xc = x < -87.f ? -87.f : x;
+    const float n = rintf(xc * 1.44269504f);
+    float r = xc - n * 0.693145752f;
+    r = r - n * 1.42860677e-6f;
+    float p = 1.f / 720;
+    p = p * r + 1.f / 120;
+    p = p * r + 1.f / 24;
+    p = p * r + 1.f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    bits b; b.u = (uint32_t)((int32_t)n + 127) << 23;
+    return x < -87.f ? 0.f : p * b.f;
+}
+
+/* 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3); sigmoid from
+ * e = e^(-2|u|) <= 1, so nothing overflows. */
+static inline float gelu_tanh(float x) {
+    const float u = 0.7978845608f * (x + 0.044715f * (x * x * x));
+    const float e = exp_le0(-2.f * fabsf(u));
+    const float s = u >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+    return x * s;
+}
+
+/* out[t][:I] = gelu_tanh(x[t][:I]) * x[t][I:2I]; rows of x are 2I long, out contiguous. */
+void kvs_gelu_mul(const void *x, int n, int I, int is_bf16, void *out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if ((int64_t)n * I > 65536)
+    for (int t = 0; t < n; t++) {
+        if (is_bf16) {
+            const uint16_t *g = (const uint16_t *)x + (size_t)t * 2 * I, *up = g + I;
+            uint16_t *o = (uint16_t *)out + (size_t)t * I;
+            #pragma omp simd
+            for (int i = 0; i < I; i++) {
+                const float a = bf16_load(bf16_store(gelu_tanh(bf16_load(g[i]))));
+                o[i] = bf16_store(a * bf16_load(up[i]));
+            }
+        } else {
+            const float *g = (const float *)x + (size_t)t * 2 * I, *up = g + I;
+            float *o = (float *)out + (size_t)t * I;
+            #pragma omp simd
+            for (int i = 0; i < I; i++) o[i] = gelu_tanh(g[i]) * up[i];
+        }
+    }
+}
