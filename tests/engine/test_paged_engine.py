@@ -49,7 +49,7 @@ def engine(model, torch_decode=False, **kw):
     args.update(kw)
     eng = LLMEngine(model, ByteTokenizer(), EngineConfig(**args))
     if torch_decode:
-        eng.runner.attn.kernel = None
+        eng.runner.attn.kernels = None
     return eng
 
 

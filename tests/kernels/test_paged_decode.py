@@ -77,3 +77,18 @@ def test_rejects_mixed_dtypes(kernels):
     with pytest.raises(ValueError, match="share"):
         kernels.paged_decode(q.bfloat16(), cache, pages, torch.tensor(lo, dtype=torch.int32),
                              torch.tensor(n, dtype=torch.int32), 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_each_token_to_its_slot(kernels, dtype):
+    g = torch.Generator().manual_seed(3)
+    cache = torch.zeros(6, 2, 4, 2, 16, dtype=dtype)
+    qkv = torch.randn(5, 8, 16, generator=g).to(dtype)  # k and v: slices of one projection
+    k, v = qkv[:, 4:6], qkv[:, 6:8]
+    pages, offs = torch.tensor([5, 5, 0, 3, 1]), torch.tensor([0, 3, 2, 1, 0])
+    want = cache.clone()
+    want[pages, :, offs] = torch.stack((k, v), dim=1)
+    kernels.store_kv(cache, k, v, pages, offs)
+    assert torch.equal(cache, want)
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.store_kv(cache, k.double(), v.double(), pages, offs)

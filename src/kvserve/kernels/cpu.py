@@ -57,30 +57,67 @@ def _build(compiler: str, flags: list[str]) -> Path:
     return target
 
 
+_VP, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# name: (result, argument types). Pointers travel as plain addresses (tensor.data_ptr()).
+_SIGNATURES = {
+    "kvs_paged_decode": (_INT, [_VP, _I64, _I64, _VP, _I64, _I64, _I64, _I64, _VP, _I64, _VP,
+                                _VP, _INT, _INT, _INT, _INT, _INT, _F32, _INT, _VP, _INT]),
+    "kvs_store_kv": (None, [_VP, _I64, _I64, _VP, _I64, _I64, _INT, _INT, _INT, _VP, _I64,
+                            _I64, _I64, _I64, _VP, _VP, _INT]),
+    "kvs_norm_rope": (None, [_VP, _I64, _I64, _INT, _INT, _INT, _VP, _F32, _VP, _VP, _INT,
+                             _VP, _I64, _I64, _INT]),
+    "kvs_add_norm": (None, [_VP, _VP, _INT, _INT, _VP, _VP, _F32, _INT, _VP, _INT]),
+    "kvs_gelu_mul": (None, [_VP, _INT, _INT, _INT, _VP, _INT]),
+    "kvs_argmax": (None, [_VP, _INT, _I64, _INT, _VP, _INT]),
+}
+
+
 class CpuKernels:
     """The compiled library's entry points, taking and returning torch tensors."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        i64, i32p, c_int = ctypes.c_int64, ctypes.POINTER(ctypes.c_int32), ctypes.c_int
-        lib.kvs_paged_decode.restype = c_int
-        lib.kvs_paged_decode.argtypes = [
-            ctypes.c_void_p, i64, i64,
-            ctypes.c_void_p, i64, i64, i64, i64,
-            i32p, i64, i32p, i32p,
-            c_int, c_int, c_int, c_int, c_int, ctypes.c_float, c_int, ctypes.c_void_p, c_int,
-        ]
-        vp, f32p, i64p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p
-        lib.kvs_norm_rope.restype = None
-        lib.kvs_norm_rope.argtypes = [vp, i64, i64, c_int, c_int, c_int, f32p, ctypes.c_float,
-                                      vp, vp, c_int, vp, i64, i64, c_int]
-        lib.kvs_add_norm.restype = None
-        lib.kvs_add_norm.argtypes = [vp, vp, c_int, c_int, f32p, f32p, ctypes.c_float, c_int,
-                                     vp, c_int]
-        lib.kvs_gelu_mul.restype = None
-        lib.kvs_gelu_mul.argtypes = [vp, c_int, c_int, c_int, vp, c_int]
-        lib.kvs_argmax.restype = None
-        lib.kvs_argmax.argtypes = [vp, c_int, i64, c_int, i64p, c_int]
+        for name, (result, args) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = result, args
         self.lib = lib
+
+    def paged_decode(self, q: torch.Tensor, cache: torch.Tensor, pages: torch.Tensor,
+                     lo: torch.Tensor, n_keys: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode attention over pages in place: q [B, Hq, D] -> [B, Hq, D].
+
+        cache is one layer's pool view [num_pages, 2, T, Hkv, D]; sequence b attends to keys
+        [lo[b], lo[b] + n_keys[b]) and pages[b, j] holds keys from (lo[b] // T + j) * T on.
+        pages, lo and n_keys are contiguous int32 and every page id they name must be valid.
+        """
+        if q.dtype != cache.dtype or q.dtype not in _DTYPES or q.stride(-1) != 1:
+            raise ValueError("paged_decode: q and cache must share float32 or bfloat16, "
+                             "with unit stride in head_dim")
+        B, Hq, D = q.shape
+        _, _, T, Hkv, _ = cache.shape
+        out = torch.empty((B, Hq, D), dtype=q.dtype)
+        rc = self.lib.kvs_paged_decode(
+            q.data_ptr(), q.stride(0), q.stride(1),
+            cache.data_ptr(), *cache.stride()[:4],
+            _ptr(pages, torch.int32), pages.stride(0), _ptr(lo, torch.int32, B),
+            _ptr(n_keys, torch.int32, B),
+            B, Hq, Hkv, D, T, scale, _DTYPES[q.dtype], out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("paged_decode: no scratch memory")
+        return out
+
+    def store_kv(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 pages: torch.Tensor, offs: torch.Tensor) -> None:
+        """cache[pages[t], 0, offs[t]] = k[t] and [.., 1, ..] = v[t] for k, v [n, Hkv, D]
+        (unit stride in D); pages/offs int64 [n]."""
+        n, Hkv, D = k.shape
+        if (k.dtype != cache.dtype or v.dtype != k.dtype or v.shape != k.shape
+                or k.stride(-1) != 1 or v.stride(-1) != 1 or cache.shape[3:] != k.shape[1:]):
+            raise ValueError("store_kv: k and v must match the cache's dtype and head shape")
+        self.lib.kvs_store_kv(
+            k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+            n, Hkv, D,
+            cache.data_ptr(), *cache.stride()[:4], _ptr(pages, torch.int64, n),
+            _ptr(offs, torch.int64, n), k.element_size())
 
     def norm_rope(self, x: torch.Tensor, scale: torch.Tensor, eps: float,
                   cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -95,11 +132,10 @@ class CpuKernels:
         assert out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1
         cos, sin = cos_sin if cos_sin is not None else (None, None)
         if cos is not None:
-            assert cos.dtype == sin.dtype == x.dtype and cos.is_contiguous()
-            assert sin.is_contiguous() and cos.numel() == sin.numel() == n * D
+            _ptr(cos, x.dtype, n * D), _ptr(sin, x.dtype, n * D)
         self.lib.kvs_norm_rope(
-            x.data_ptr(), x.stride(0), x.stride(1), n, H, D, _f32_ptr(scale, H * D), eps,
-            None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+            x.data_ptr(), x.stride(0), x.stride(1), n, H, D, _ptr(scale, torch.float32, H * D),
+            eps, None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
             _DTYPES[x.dtype], out.data_ptr(), out.stride(0), out.stride(1),
             torch.get_num_threads())
         return out
@@ -114,8 +150,8 @@ class CpuKernels:
             raise ValueError("add_norm: two contiguous float32/bfloat16 [n, D <= 8192]")
         y = torch.empty_like(x) if w_next is not None else None
         self.lib.kvs_add_norm(
-            x.data_ptr(), h.data_ptr(), n, D, _f32_ptr(w_add, D),
-            None if w_next is None else _f32_ptr(w_next, D), eps, _DTYPES[x.dtype],
+            x.data_ptr(), h.data_ptr(), n, D, _ptr(w_add, torch.float32, D),
+            None if w_next is None else _ptr(w_next, torch.float32, D), eps, _DTYPES[x.dtype],
             None if y is None else y.data_ptr(), torch.get_num_threads())
         return y
 
@@ -138,39 +174,14 @@ class CpuKernels:
                             _DTYPES[logits.dtype], out.data_ptr(), torch.get_num_threads())
         return out
 
-    def paged_decode(self, q: torch.Tensor, cache: torch.Tensor, pages: torch.Tensor,
-                     lo: torch.Tensor, n_keys: torch.Tensor, scale: float) -> torch.Tensor:
-        """Decode attention over pages in place: q [B, Hq, D] -> [B, Hq, D].
 
-        cache is one layer's pool view [num_pages, 2, T, Hkv, D]; sequence b attends to keys
-        [lo[b], lo[b] + n_keys[b]) and pages[b, j] holds keys from (lo[b] // T + j) * T on.
-        pages, lo and n_keys are contiguous int32 and every page id they name must be valid.
-        """
-        if q.dtype != cache.dtype or q.dtype not in _DTYPES or q.stride(-1) != 1:
-            raise ValueError("paged_decode: q and cache must share float32 or bfloat16, "
-                             "with unit stride in head_dim")
-        B, Hq, D = q.shape
-        _, _, T, Hkv, _ = cache.shape
-        out = torch.empty((B, Hq, D), dtype=q.dtype)
-        rc = self.lib.kvs_paged_decode(
-            q.data_ptr(), q.stride(0), q.stride(1),
-            cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-            _int32_ptr(pages), pages.stride(0), _int32_ptr(lo), _int32_ptr(n_keys),
-            B, Hq, Hkv, D, T, scale, _DTYPES[q.dtype], out.data_ptr(), torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError("paged_decode: no scratch memory")
-        return out
-
-
-def _f32_ptr(t: torch.Tensor, numel: int) -> ctypes._Pointer:
-    if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != numel:
-        raise ValueError(f"expected a contiguous float32 scale of {numel} values")
-    return ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_float))
-
-
-def _int32_ptr(t: torch.Tensor) -> ctypes._Pointer:
-    assert t.dtype == torch.int32 and t.is_contiguous()
-    return ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_int32))
+def _ptr(t: torch.Tensor, dtype: torch.dtype, numel: int | None = None) -> int:
+    """t's address, once t is a contiguous `dtype` tensor of `numel` values (any count if
+    None): the kernels read it as a flat array."""
+    if t.dtype != dtype or not t.is_contiguous() or numel is not None and t.numel() != numel:
+        raise ValueError(f"expected a contiguous {dtype} tensor"
+                         + (f" of {numel} values" if numel is not None else ""))
+    return t.data_ptr()
 
 
 @functools.cache

@@ -301,3 +301,19 @@ int kvs_paged_decode(
     }
     return failed ? -1 : 0;
 }
+
+/* The step's new keys and values into their slots: token t of k and v [n, Hkv, D] (token
+ * and head strides in elements, unit stride in D) goes to page pages[t], slot offs[t]. */
+void kvs_store_kv(const void *k, int64_t k_ts, int64_t k_hs, const void *v, int64_t v_ts,
+                  int64_t v_hs, int n, int Hkv, int D, void *cache, int64_t s_page,
+                  int64_t s_kv, int64_t s_tok, int64_t s_head, const int64_t *pages,
+                  const int64_t *offs, int esize) {
+    char *c = (char *)cache;
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < Hkv; h++) {
+            const int64_t dst = (pages[t] * s_page + offs[t] * s_tok + h * s_head) * esize;
+            memcpy(c + dst, (const char *)k + (t * k_ts + h * k_hs) * esize, (size_t)D * esize);
+            memcpy(c + dst + s_kv * esize, (const char *)v + (t * v_ts + h * v_hs) * esize,
+                   (size_t)D * esize);
+        }
+}

@@ -87,8 +87,8 @@ class PagedAttention:
         self.device = pool.device
         self._windows = sorted({(b.spec, b.window) for b in self.bindings})
         views = [v for per_spec in pool.views.values() for v in per_spec]
-        kernels = kernels_for(views[0]) if len({v.dtype for v in views}) == 1 else None
-        self.kernel = kernels.paged_decode if kernels else None
+        # The compiled CPU kernels, or None: torch ops (any device) do the same.
+        self.kernels = kernels_for(views[0]) if len({v.dtype for v in views}) == 1 else None
 
     # ----------------------------------------------------------------- prepare
 
@@ -105,7 +105,7 @@ class PagedAttention:
         self.row_start = offsets
         # Built once per step, not once per layer.
         self.writes = {spec: self._write_slots(spec, pos) for spec, _ in self._windows}
-        if self.kernel:  # the kernel takes every decode row at once, unpadded
+        if self.kernels:  # the kernel takes every decode row at once, unpadded
             groups = [self.decode_rows] if self.decode_rows else []
             self.decode = {key: [self._page_ranges([seqs[i] for i in g], *key) for g in groups]
                            for key in self._windows}
@@ -178,16 +178,16 @@ class PagedAttention:
         b = self.bindings[layer_idx]
         cache = self.pool.layer(b.spec, b.index)
         pages, offs = self.writes[b.spec]
-        cache[pages, :, offs] = torch.stack((k, v), dim=1).to(cache.dtype)
+        if self.kernels and k.dtype == cache.dtype:
+            self.kernels.store_kv(cache, k, v, pages, offs)
+        else:
+            cache[pages, :, offs] = torch.stack((k, v), dim=1).to(cache.dtype)
         key = (b.spec, b.window)
-        if self.all_decode and self.kernel:
-            return self.kernel(q, cache, *self.decode[key][0], self.scale)
         if self.all_decode:  # rows are the sequences, in one group: no scatter needed
             return self._decode(cache, self.decode[key][0], q)
         out = torch.empty_like(q)
         for rows, g in zip(self.decode_groups, self.decode[key]):
-            out[rows] = (self.kernel(q[rows], cache, *g, self.scale) if self.kernel
-                         else self._decode(cache, g, q[rows]))
+            out[rows] = self._decode(cache, g, q[rows])
         for i, g in zip(self.prefill_rows, self.prefill[key]):
             rows = slice(self.row_start[i], self.row_start[i + 1])
             out[rows] = self._prefill(cache, g, q[rows][None])[0]
@@ -206,13 +206,17 @@ class PagedAttention:
               for i in (0, 1)]
         return kv[0], kv[1]
 
-    def _decode(self, cache: torch.Tensor, g: _Gather, q: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence: q [B, Hq, D] -> [B, Hq, D], as two batched matmuls.
+    def _decode(self, cache: torch.Tensor, g: _Gather | tuple[torch.Tensor, ...],
+                q: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence: q [B, Hq, D] -> [B, Hq, D]. The CPU kernel reads the
+        pages in place (g: its page ranges); otherwise two batched matmuls over a gather.
 
         With one query row per head, SDPA's flash kernel is ~3x slower on CPU than the
         matmuls (which also suit GPUs at this size). Scores are rounded to the input
         dtype, as in HF's eager attention; the softmax runs in float32.
         """
+        if self.kernels:
+            return self.kernels.paged_decode(q, cache, *g, self.scale)
         B, Hq, D = q.shape
         keys, values = self._keys_values(cache, g, q.dtype)
         Hkv = keys.shape[2]
