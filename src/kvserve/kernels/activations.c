@@ -7,18 +7,8 @@
  * differs from the library's tanh and survives that rounding.
  */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-typedef union { uint32_t u; float f; } bits;
-
-static inline float bf16_load(uint16_t x) { bits b; b.u = (uint32_t)x << 16; return b.f; }
-
-static inline uint16_t bf16_store(float f) {
-    bits b; b.f = f;
-    if ((b.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b.u >> 16) | 0x40);
-    return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
-}
+#include "bf16.h"
 
 /* e^x for x <= 0: Cody-Waite reduction, degree-6 Taylor polynomial, 2^n built in the
  * exponent bits; 0 below -87 (where 2^n would leave the normal range). */

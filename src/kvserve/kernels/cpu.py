@@ -24,6 +24,7 @@ import torch
 from kvserve.paths import default_cache_dir
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -39,7 +40,8 @@ def _cpu_flags() -> str:
 def _build(compiler: str, flags: list[str]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=True).stdout
-    parts = [*(src.read_text() for src in _SOURCES), version, " ".join(flags), _cpu_flags()]
+    texts = [src.read_text() for src in _SOURCES + _HEADERS]
+    parts = [*texts, version, " ".join(flags), _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     target = default_cache_dir() / "kernels" / f"cpu-{key[:16]}.so"
     if not target.is_file():

@@ -9,41 +9,8 @@
  *   rope(y) = dtype(dtype(y * cos) + dtype(roll(y, D/2) * signed_sin)).
  */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-typedef union { uint32_t u; float f; } bits;
-
-static inline float bf16_load(uint16_t x) { bits b; b.u = (uint32_t)x << 16; return b.f; }
-
-static inline uint16_t bf16_store(float f) {
-    bits b; b.f = f;
-    if ((b.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b.u >> 16) | 0x40);
-    return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
-}
-
-/* The value as the tensor's dtype would hold it. */
-static inline float rnd(float f, int is_bf16) { return is_bf16 ? bf16_load(bf16_store(f)) : f; }
-
-static inline void load(const void *src, int64_t i, float *restrict dst, int n, int is_bf16) {
-    if (is_bf16) {
-        const uint16_t *s = (const uint16_t *)src + i;
-        #pragma omp simd
-        for (int d = 0; d < n; d++) dst[d] = bf16_load(s[d]);
-    } else {
-        memcpy(dst, (const float *)src + i, sizeof(float) * (size_t)n);
-    }
-}
-
-static inline void store(void *dst, int64_t i, const float *restrict src, int n, int is_bf16) {
-    if (is_bf16) {
-        uint16_t *o = (uint16_t *)dst + i;
-        #pragma omp simd
-        for (int d = 0; d < n; d++) o[d] = bf16_store(src[d]);
-    } else {
-        memcpy((float *)dst + i, src, sizeof(float) * (size_t)n);
-    }
-}
+#include "bf16.h"
 
 /* y[d] = dtype((x[d] * r) * scale[d]) with r = 1 / sqrt(mean(x^2) + eps), in place */
 static inline void norm_row(float *restrict x, const float *restrict scale, int D, float eps,
@@ -54,7 +21,7 @@ static inline void norm_row(float *restrict x, const float *restrict scale, int 
     const float r = 1.f / sqrtf(ss / (float)D + eps);
     if (is_bf16) {
         #pragma omp simd
-        for (int d = 0; d < D; d++) x[d] = bf16_load(bf16_store(x[d] * r * scale[d]));
+        for (int d = 0; d < D; d++) x[d] = bf16_round(x[d] * r * scale[d]);
     } else {
         #pragma omp simd
         for (int d = 0; d < D; d++) x[d] = x[d] * r * scale[d];
@@ -71,22 +38,23 @@ void kvs_norm_rope(const void *x, int64_t x_ts, int64_t x_hs, int n, int H, int 
     for (int t = 0; t < n; t++) {
         float row[4096], c[4096], s[4096];
         if (cos) {
-            load(cos, (int64_t)t * D, c, D, is_bf16);
-            load(sin, (int64_t)t * D, s, D, is_bf16);
+            load_row(cos, (int64_t)t * D, c, D, is_bf16);
+            load_row(sin, (int64_t)t * D, s, D, is_bf16);
         }
         for (int h = 0; h < H; h++) {
-            load(x, t * x_ts + h * x_hs, row, D, is_bf16);
+            load_row(x, t * x_ts + h * x_hs, row, D, is_bf16);
             norm_row(row, scale + (size_t)h * D, D, eps, is_bf16);
             if (cos) {
                 float out[4096];
                 const int half = D / 2;
                 for (int d = 0; d < D; d++) {
                     const float rolled = row[d < half ? d + half : d - half];
-                    out[d] = rnd(row[d] * c[d], is_bf16) + rnd(rolled * s[d], is_bf16);
+                    out[d] = (is_bf16 ? bf16_round(row[d] * c[d]) + bf16_round(rolled * s[d])
+                                     : row[d] * c[d] + rolled * s[d]);
                 }
-                store(y, t * y_ts + h * y_hs, out, D, is_bf16);
+                store_row(y, t * y_ts + h * y_hs, out, D, is_bf16);
             } else {
-                store(y, t * y_ts + h * y_hs, row, D, is_bf16);
+                store_row(y, t * y_ts + h * y_hs, row, D, is_bf16);
             }
         }
     }
@@ -99,16 +67,16 @@ void kvs_add_norm(void *x, const void *h, int n, int D, const float *w_add,
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * D > 65536)
     for (int t = 0; t < n; t++) {
         float a[8192], b[8192];
-        load(h, (int64_t)t * D, b, D, is_bf16);
+        load_row(h, (int64_t)t * D, b, D, is_bf16);
         norm_row(b, w_add, D, eps, is_bf16);
-        load(x, (int64_t)t * D, a, D, is_bf16);
+        load_row(x, (int64_t)t * D, a, D, is_bf16);
         #pragma omp simd
         for (int d = 0; d < D; d++) a[d] += b[d];
-        store(x, (int64_t)t * D, a, D, is_bf16);
+        store_row(x, (int64_t)t * D, a, D, is_bf16);
         if (w_next) {
-            load(x, (int64_t)t * D, a, D, is_bf16);  /* the sum as x now holds it */
+            load_row(x, (int64_t)t * D, a, D, is_bf16);  /* the sum as x now holds it */
             norm_row(a, w_next, D, eps, is_bf16);
-            store(y, (int64_t)t * D, a, D, is_bf16);
+            store_row(y, (int64_t)t * D, a, D, is_bf16);
         }
     }
 }
@@ -124,7 +92,7 @@ void kvs_argmax(const void *x, int B, int64_t V, int is_bf16, int64_t *out, int 
         float buf[1024];
         for (int64_t i0 = 0; i0 < V; i0 += 1024) {
             const int m = V - i0 < 1024 ? (int)(V - i0) : 1024;
-            load(x, b * V + i0, buf, m, is_bf16);
+            load_row(x, b * V + i0, buf, m, is_bf16);
             float top = -INFINITY;
             #pragma omp simd reduction(max : top)
             for (int i = 0; i < m; i++) top = buf[i] > top ? buf[i] : top;

@@ -15,28 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef union { uint32_t u; float f; } bits;
-
-static inline float bf16_load(uint16_t x) { bits b; b.u = (uint32_t)x << 16; return b.f; }
-
-static inline uint16_t bf16_store(float f) {  /* round to nearest even, as torch does */
-    bits b; b.f = f;
-    if ((b.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b.u >> 16) | 0x40);  /* NaN */
-    return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
-}
-
-static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
-
-/* src[0:n] of either dtype -> float32 dst */
-static inline void load_row(const void *src, float *restrict dst, int n, int is_bf16) {
-    if (is_bf16) {
-        const uint16_t *s = (const uint16_t *)src;
-        #pragma omp simd
-        for (int d = 0; d < n; d++) dst[d] = bf16_load(s[d]);
-    } else {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    }
-}
+#include "bf16.h"
 
 static inline float dot(const float *restrict a, const float *restrict b, int n) {
     float s = 0.f;
@@ -212,7 +191,7 @@ static int attend_bf16(int G, const uint16_t *q, const uint16_t *const *keys,
 static void scores_f32(const float *qf, const char *const *rows, int n, int G, int D,
                        int is_bf16, float *row, float *sc) {
     for (int i = 0; i < n; i++) {
-        load_row(rows[i], row, D, is_bf16);
+        load_row(rows[i], 0, row, D, is_bf16);
         for (int g = 0; g < G; g++) sc[(size_t)g * n + i] = dot(qf + (size_t)g * D, row, D);
     }
 }
@@ -221,7 +200,7 @@ static void values_f32(const float *p, const char *const *rows, int n, int G, in
                        int is_bf16, float *row, float *acc) {
     memset(acc, 0, sizeof(float) * (size_t)G * D);
     for (int i = 0; i < n; i++) {
-        load_row(rows[i], row, D, is_bf16);
+        load_row(rows[i], 0, row, D, is_bf16);
         for (int g = 0; g < G; g++) {
             const float pg = p[(size_t)g * n + i];
             float *restrict a = acc + (size_t)g * D;
@@ -251,8 +230,8 @@ static void attend(const char *qb, int64_t q_sh, const char *const *keys, const 
     }
 #endif
     if (!done) {
-        for (int g = 0; g < G; g++) load_row(qb + (size_t)g * q_sh * esize, qf + (size_t)g * D,
-                                             D, is_bf16);
+        for (int g = 0; g < G; g++)
+            load_row(qb + (size_t)g * q_sh * esize, 0, qf + (size_t)g * D, D, is_bf16);
         scores_f32(qf, keys, n, G, D, is_bf16, row, sc);
         softmax(sc, n, G, scale, is_bf16);
         values_f32(sc, (const char *const *)vals, n, G, D, is_bf16, row, acc);
