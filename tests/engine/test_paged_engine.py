@@ -42,13 +42,13 @@ def tiny():
     return model
 
 
-def engine(model, torch_decode=False, **kw):
-    """torch_decode: decode attention through torch ops (the GPU path) instead of the
-    compiled CPU kernel."""
+def engine(model, torch_attention=False, **kw):
+    """torch_attention: attention through torch ops (the GPU path: gathers, length groups,
+    SDPA) instead of the compiled CPU kernel."""
     args = dict(kv_memory=1 << 20, tokens_per_page=4, max_num_batched_tokens=64)
     args.update(kw)
     eng = LLMEngine(model, ByteTokenizer(), EngineConfig(**args))
-    if torch_decode:
+    if torch_attention:
         eng.runner.attn.kernels = None
     return eng
 
@@ -79,9 +79,9 @@ LENGTHS = [5, 17, 3, 40, 9, 26]
 
 @pytest.mark.parametrize("kw", [
     {},
-    {"torch_decode": True},
+    {"torch_attention": True},
     {"max_num_batched_tokens": 7},  # chunked prefill, several chunks per prompt
-    {"max_num_batched_tokens": 7, "torch_decode": True},
+    {"max_num_batched_tokens": 7, "torch_attention": True},
     {"tokens_per_page": 1},
     {"tokens_per_page": 16},
 ])
@@ -90,13 +90,13 @@ def test_batched_greedy_matches_reference(tiny, kw):
     assert run(engine(tiny, **kw), ps) == reference(tiny, ps)
 
 
-@pytest.mark.parametrize("torch_decode", [False, True])
-def test_many_decoding_sequences_match_reference(tiny, torch_decode):
+@pytest.mark.parametrize("torch_attention", [False, True])
+def test_many_decoding_sequences_match_reference(tiny, torch_attention):
     # 40 sequences of mixed lengths; with torch ops they decode in several length groups
     # (one pad size each). Sequences start and finish at different steps, so the batch
     # (and the groups) change mid-run.
     ps = prompts(40, [3 + (7 * i) % 60 for i in range(40)], seed=2)
-    eng = engine(tiny, torch_decode, kv_memory=4 << 20, max_num_batched_tokens=512)
+    eng = engine(tiny, torch_attention, kv_memory=4 << 20, max_num_batched_tokens=512)
     assert run(eng, ps, max_tokens=10) == reference(tiny, ps, max_tokens=10)
 
 

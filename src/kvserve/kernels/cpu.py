@@ -62,8 +62,9 @@ def _build(compiler: str, flags: list[str]) -> Path:
 _VP, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # name: (result, argument types). Pointers travel as plain addresses (tensor.data_ptr()).
 _SIGNATURES = {
-    "kvs_paged_decode": (_INT, [_VP, _I64, _I64, _VP, _I64, _I64, _I64, _I64, _VP, _I64, _VP,
-                                _VP, _INT, _INT, _INT, _INT, _INT, _F32, _INT, _VP, _INT]),
+    "kvs_paged_attention": (_INT, [_VP, _I64, _I64, _VP, _I64, _I64, _I64, _I64, _VP, _I64,
+                                   _VP, _VP, _VP, _INT, _INT, _INT, _INT, _INT, _F32, _INT,
+                                   _VP, _INT]),
     "kvs_store_kv": (None, [_VP, _I64, _I64, _VP, _I64, _I64, _INT, _INT, _INT, _VP, _I64,
                             _I64, _I64, _I64, _VP, _VP, _INT]),
     "kvs_norm_rope": (None, [_VP, _I64, _I64, _INT, _INT, _INT, _VP, _F32, _VP, _VP, _INT,
@@ -83,28 +84,31 @@ class CpuKernels:
             fn.restype, fn.argtypes = result, args
         self.lib = lib
 
-    def paged_decode(self, q: torch.Tensor, cache: torch.Tensor, pages: torch.Tensor,
-                     lo: torch.Tensor, n_keys: torch.Tensor, scale: float) -> torch.Tensor:
-        """Decode attention over pages in place: q [B, Hq, D] -> [B, Hq, D].
+    def paged_attention(self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
+                        seq: torch.Tensor, lo: torch.Tensor, n_keys: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+        """Attention over pages in place, one query row at a time: q [R, Hq, D] -> [R, Hq, D].
 
-        cache is one layer's pool view [num_pages, 2, T, Hkv, D]; sequence b attends to keys
-        [lo[b], lo[b] + n_keys[b]) and pages[b, j] holds keys from (lo[b] // T + j) * T on.
-        pages, lo and n_keys are contiguous int32 and every page id they name must be valid.
+        cache is one layer's pool view [num_pages, 2, T, Hkv, D]. Row r belongs to sequence
+        seq[r], whose pages are tables[seq[r]] (page j holds keys [j T, (j + 1) T)), and
+        attends to its keys [lo[r], lo[r] + n_keys[r]) (causal and windowed masks are these
+        ranges). tables, seq, lo and n_keys are contiguous int32; every page a range
+        touches must be valid.
         """
         if q.dtype != cache.dtype or q.dtype not in _DTYPES or q.stride(-1) != 1:
-            raise ValueError("paged_decode: q and cache must share float32 or bfloat16, "
+            raise ValueError("paged_attention: q and cache must share float32 or bfloat16, "
                              "with unit stride in head_dim")
-        B, Hq, D = q.shape
+        R, Hq, D = q.shape
         _, _, T, Hkv, _ = cache.shape
-        out = torch.empty((B, Hq, D), dtype=q.dtype)
-        rc = self.lib.kvs_paged_decode(
+        out = torch.empty((R, Hq, D), dtype=q.dtype)
+        rc = self.lib.kvs_paged_attention(
             q.data_ptr(), q.stride(0), q.stride(1),
             cache.data_ptr(), *cache.stride()[:4],
-            _ptr(pages, torch.int32), pages.stride(0), _ptr(lo, torch.int32, B),
-            _ptr(n_keys, torch.int32, B),
-            B, Hq, Hkv, D, T, scale, _DTYPES[q.dtype], out.data_ptr(), torch.get_num_threads())
+            _ptr(tables, torch.int32), tables.stride(0), _ptr(seq, torch.int32, R),
+            _ptr(lo, torch.int32, R), _ptr(n_keys, torch.int32, R),
+            R, Hq, Hkv, D, T, scale, _DTYPES[q.dtype], out.data_ptr(), torch.get_num_threads())
         if rc != 0:
-            raise MemoryError("paged_decode: no scratch memory")
+            raise MemoryError("paged_attention: no scratch memory")
         return out
 
     def store_kv(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,11 +1,12 @@
 """Paged attention over the shared KV pool (the engine's attention backend).
 
 Each step the runner describes the batch once (`prepare`); every layer then
-writes its new K/V into the pages of its own spec and attends. On CPU, decode
-sequences (one new token each) go to a compiled kernel that reads their pages
-in place (`kvserve.kernels.cpu`); elsewhere they are gathered into a few
-padded groups of similar length and attend with two batched matmuls. Prefill
-chunks run one sequence at a time through SDPA. Masks follow HF: a query at
+writes its new K/V into the pages of its own spec and attends. On CPU every
+query row, decode token or prefill chunk token, goes to one compiled kernel
+call per layer that reads the pages in place (`kvserve.kernels.cpu`). The
+torch path (GPUs, or no C compiler) gathers pages instead: decode sequences
+in a few padded groups of similar length, two batched matmuls each; prefill
+chunks one sequence at a time through SDPA. Masks follow HF: a query at
 position p sees keys k <= p, and on sliding layers k > p - window.
 """
 
@@ -93,26 +94,33 @@ class PagedAttention:
     # ----------------------------------------------------------------- prepare
 
     def prepare(self, seqs: Sequence[SeqStep]) -> torch.Tensor:
-        """Describe the next batch; returns the positions of its flattened tokens."""
+        """Describe the next batch; returns the positions of its flattened tokens.
+
+        Built once per step, not once per layer: the new tokens' slots and, per (spec,
+        window), what each query reads.
+        """
         self.seqs = list(seqs)
         pos = torch.cat([torch.arange(s.start, s.start + s.num_new) for s in seqs])
         self.num_tokens = int(pos.numel())
+        self.writes = {spec: self._write_slots(spec, pos) for spec, _ in self._windows}
+        if self.kernels:
+            self.ranges = {key: self._key_ranges(pos, *key) for key in self._windows}
+        else:
+            self._prepare_gathers()
+        return pos.to(self.device)
+
+    def _prepare_gathers(self) -> None:
+        """The torch path: decode rows in length groups, prefill chunks one by one."""
+        seqs = self.seqs
         self.decode_rows = [i for i, s in enumerate(seqs) if s.num_new == 1]
         self.prefill_rows = [i for i, s in enumerate(seqs) if s.num_new > 1]
         offsets = [0]
         for s in seqs:
             offsets.append(offsets[-1] + s.num_new)
         self.row_start = offsets
-        # Built once per step, not once per layer.
-        self.writes = {spec: self._write_slots(spec, pos) for spec, _ in self._windows}
-        if self.kernels:  # the kernel takes every decode row at once, unpadded
-            groups = [self.decode_rows] if self.decode_rows else []
-            self.decode = {key: [self._page_ranges([seqs[i] for i in g], *key) for g in groups]
-                           for key in self._windows}
-        else:
-            groups = _length_groups(self.decode_rows, [s.start for s in seqs])
-            self.decode = {key: [self._gather([seqs[i] for i in g], *key) for g in groups]
-                           for key in self._windows}
+        groups = _length_groups(self.decode_rows, [s.start for s in seqs])
+        self.decode = {key: [self._gather([seqs[i] for i in g], *key) for g in groups]
+                       for key in self._windows}
         self.decode_groups = [torch.tensor([offsets[i] for i in g], device=self.device)
                               for g in groups]
         self.all_decode = len(self.decode_rows) == len(seqs) and len(groups) == 1
@@ -120,7 +128,6 @@ class PagedAttention:
             key: [self._gather([seqs[i]], *key) for i in self.prefill_rows]
             for key in self._windows
         }
-        return pos.to(self.device)
 
     def _write_slots(self, spec: str, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pages = []
@@ -131,19 +138,25 @@ class PagedAttention:
             raise RuntimeError(f"spec {spec!r}: a new token has no page")
         return (torch.tensor(pages, device=self.device), (pos % self.T).to(self.device))
 
-    def _page_ranges(self, group: Sequence[SeqStep], spec: str,
-                     window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For the decode kernel: each sequence's pages from its first visible key on, that
-        key's position and the number of keys, as int32 [B, P], [B], [B]."""
-        T = self.T
-        lo = [max(0, s.start - window + 1) if window else 0 for s in group]
-        rows = [s.tables[spec][first // T:s.start // T + 1] for s, first in zip(group, lo)]
-        if any(min(r) < 0 for r in rows):
-            raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
+    def _key_ranges(self, pos: torch.Tensor, spec: str,
+                    window: int) -> tuple[torch.Tensor, ...]:
+        """For the kernel: the sequences' page tables [S, P], and for every query row its
+        sequence, first visible key and number of keys (int32)."""
+        T, seqs = self.T, self.seqs
+        rows = []
+        for s in seqs:
+            table = s.tables[spec][:-(-(s.start + s.num_new) // T)]
+            first = max(0, s.start - window + 1) if window else 0  # the chunk's lowest key
+            if min(table[first // T:]) < 0:
+                raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
+            rows.append(table)
         P = max(len(r) for r in rows)
-        pages = torch.tensor([r + [0] * (P - len(r)) for r in rows], dtype=torch.int32)
-        n = torch.tensor([s.start + 1 - first for s, first in zip(group, lo)], dtype=torch.int32)
-        return pages, torch.tensor(lo, dtype=torch.int32), n
+        # Pages released before a window (-1) are never read; 0 keeps every id in bounds.
+        tables = torch.tensor([r + [0] * (P - len(r)) for r in rows], dtype=torch.int32)
+        seq = torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32),
+                                      torch.tensor([s.num_new for s in seqs]))
+        lo = (pos - window + 1).clamp_min(0) if window else torch.zeros_like(pos)
+        return (tables.clamp_min(0), seq, lo.int(), (pos + 1 - lo).int())
 
     def _gather(self, group: Sequence[SeqStep], spec: str, window: int) -> _Gather:
         """Gather whole pages (one index per page, not per token); the mask trims them."""
@@ -178,11 +191,11 @@ class PagedAttention:
         b = self.bindings[layer_idx]
         cache = self.pool.layer(b.spec, b.index)
         pages, offs = self.writes[b.spec]
-        if self.kernels and k.dtype == cache.dtype:
-            self.kernels.store_kv(cache, k, v, pages, offs)
-        else:
-            cache[pages, :, offs] = torch.stack((k, v), dim=1).to(cache.dtype)
         key = (b.spec, b.window)
+        if self.kernels:
+            self.kernels.store_kv(cache, k, v, pages, offs)
+            return self.kernels.paged_attention(q, cache, *self.ranges[key], self.scale)
+        cache[pages, :, offs] = torch.stack((k, v), dim=1).to(cache.dtype)
         if self.all_decode:  # rows are the sequences, in one group: no scatter needed
             return self._decode(cache, self.decode[key][0], q)
         out = torch.empty_like(q)
@@ -206,17 +219,13 @@ class PagedAttention:
               for i in (0, 1)]
         return kv[0], kv[1]
 
-    def _decode(self, cache: torch.Tensor, g: _Gather | tuple[torch.Tensor, ...],
-                q: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence: q [B, Hq, D] -> [B, Hq, D]. The CPU kernel reads the
-        pages in place (g: its page ranges); otherwise two batched matmuls over a gather.
+    def _decode(self, cache: torch.Tensor, g: _Gather, q: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence: q [B, Hq, D] -> [B, Hq, D], as two batched matmuls.
 
         With one query row per head, SDPA's flash kernel is ~3x slower on CPU than the
         matmuls (which also suit GPUs at this size). Scores are rounded to the input
         dtype, as in HF's eager attention; the softmax runs in float32.
         """
-        if self.kernels:
-            return self.kernels.paged_decode(q, cache, *g, self.scale)
         B, Hq, D = q.shape
         keys, values = self._keys_values(cache, g, q.dtype)
         Hkv = keys.shape[2]

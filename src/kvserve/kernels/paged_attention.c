@@ -1,10 +1,12 @@
-/* Decode attention that reads the KV pool's pages in place (CPU).
+/* Paged attention that reads the KV pool's pages in place (CPU).
  *
- * One new query token per sequence attends to keys [lo, lo + n) of its own
- * pages: no gather of the pages into a contiguous copy, no padding to the
- * longest sequence of the batch. Work items are (sequence, KV head) pairs; the
- * query heads that share a KV head are done together so each key and value row
- * is read from memory once.
+ * Every query row (a decode token or a token of a prefill chunk) attends to the
+ * keys [lo, lo + n) of its sequence's pages: no gather of the pages into a
+ * contiguous copy, no padding to the longest sequence, no mask. Work items are
+ * (row, KV head) pairs; the query heads that share a KV head are done together
+ * so each key and value row is read once per item. A prefill chunk's rows read
+ * the same pages one after another, so those stay in cache; one row at a time
+ * measured faster than torch's flash SDPA here from 64 to 2048-token chunks.
  *
  * Numerics follow the matmul path it replaces: products accumulate in float32;
  * for bfloat16 inputs the raw scores, the probabilities and the output are
@@ -247,35 +249,36 @@ static void attend(const char *qb, int64_t q_sh, const char *const *keys, const 
     }
 }
 
-/* Strides are in elements. pages[b * pages_stride + j] is the page holding keys
- * [(lo[b] / T + j) * T, ...). out is contiguous [B, Hq, D]. Returns 0, or -1 if
- * scratch memory could not be had. */
-int kvs_paged_decode(
-    const void *q, int64_t q_sb, int64_t q_sh,
+/* Strides are in elements. Row r of q belongs to sequence seq[r], whose page j (keys
+ * [j T, (j + 1) T)) is tables[seq[r] * tables_stride + j]. out is contiguous [R, Hq, D].
+ * Returns 0, or -1 if scratch memory could not be had. */
+int kvs_paged_attention(
+    const void *q, int64_t q_sr, int64_t q_sh,
     const void *cache, int64_t s_page, int64_t s_kv, int64_t s_tok, int64_t s_head,
-    const int32_t *pages, int64_t pages_stride, const int32_t *lo, const int32_t *n_keys,
-    int B, int Hq, int Hkv, int D, int T, float scale, int is_bf16, void *out, int nthreads)
+    const int32_t *tables, int64_t tables_stride, const int32_t *seq, const int32_t *lo,
+    const int32_t *n_keys, int R, int Hq, int Hkv, int D, int T, float scale, int is_bf16,
+    void *out, int nthreads)
 {
     const int G = Hq / Hkv;
     const size_t esize = is_bf16 ? 2 : 4;
     int failed = 0;
 
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
-    for (int item = 0; item < B * Hkv; item++) {
-        const int b = item / Hkv, h = item % Hkv, n = n_keys[b], first = lo[b];
+    for (int item = 0; item < R * Hkv; item++) {
+        const int r = item / Hkv, h = item % Hkv, n = n_keys[r], first = lo[r];
         const size_t floats = (size_t)(3 * G + 1) * D + (size_t)G * (2 * n + 1);
         char *mem = malloc(floats * sizeof(float) + 2 * (size_t)n * sizeof(char *));
         if (!mem) { failed = 1; continue; }
         const char **keys = (const char **)(mem + floats * sizeof(float)), **vals = keys + n;
-        const int32_t *tbl = pages + (size_t)b * pages_stride;
+        const int32_t *tbl = tables + (size_t)seq[r] * tables_stride;
         for (int i = 0; i < n; i++) {
             const int k = first + i;
             keys[i] = (const char *)cache
-                      + (tbl[k / T - first / T] * s_page + (k % T) * s_tok + h * s_head) * esize;
+                      + (tbl[k / T] * s_page + (k % T) * s_tok + h * s_head) * esize;
         }
-        attend((const char *)q + ((size_t)b * q_sb + (size_t)h * G * q_sh) * esize, q_sh,
+        attend((const char *)q + ((size_t)r * q_sr + (size_t)h * G * q_sh) * esize, q_sh,
                keys, vals, s_kv * (int64_t)esize, n, G, D, scale, is_bf16, (float *)mem,
-               (char *)out + ((size_t)b * Hq + (size_t)h * G) * D * esize);
+               (char *)out + ((size_t)r * Hq + (size_t)h * G) * D * esize);
         free(mem);
     }
     return failed ? -1 : 0;

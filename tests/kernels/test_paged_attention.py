@@ -1,6 +1,7 @@
-"""The CPU decode kernel against the same attention written in torch ops.
+"""The CPU paged-attention kernel against the same attention written in torch ops.
 
-Random page tables over a shared pool, random lengths and windows, every GQA
+Random page tables over a shared pool, sequences with one query row (decode) or
+several (a prefill chunk, possibly after cached keys), random windows, every GQA
 ratio and head size the dispatch distinguishes; both the machine's build (the
 AVX-512 BF16 path where the CPU has it) and the portable build.
 """
@@ -11,50 +12,53 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
-def reference(q, cache, tables, lo, n, scale):
+def reference(q, cache, tables, seq, lo, n, scale):
     """Gathered keys, matmul scores rounded to the input dtype, float32 softmax."""
     out = []
     T, Hkv = cache.shape[2], cache.shape[3]
-    for b in range(q.shape[0]):
-        pos = torch.arange(lo[b], lo[b] + n[b])
-        page = torch.tensor(tables[b])[pos // T - lo[b] // T]
+    for r in range(q.shape[0]):
+        pos = torch.arange(lo[r], lo[r] + n[r])
+        page = torch.tensor(tables[seq[r]])[pos // T]
         k, v = cache[page, 0, pos % T], cache[page, 1, pos % T]  # [n, Hkv, D]
-        qg = q[b].view(Hkv, -1, q.shape[-1])
+        qg = q[r].view(Hkv, -1, q.shape[-1])
         s = torch.matmul(qg, k.permute(1, 2, 0)).float() * scale
         p = torch.softmax(s, dim=-1).to(q.dtype)
         out.append(torch.matmul(p, v.transpose(0, 1)).reshape(q.shape[1:]))
     return torch.stack(out)
 
 
-def case(seed, dtype, Hkv, G, D, T, lengths, window):
+def case(seed, dtype, Hkv, G, D, T, chunks, window):
+    """chunks: (tokens before, new tokens) per sequence; one query row per new token."""
     g = torch.Generator().manual_seed(seed)
-    num_pages = sum(-(-n // T) for n in lengths) + 3
+    num_pages = sum(-(-(a + b) // T) for a, b in chunks) + 3
     cache = torch.randn(num_pages, 2, T, Hkv, D, generator=g).to(dtype)
     free = torch.randperm(num_pages, generator=g).tolist()
-    tables, lo, n = [], [], []
-    for length in lengths:
-        table = [free.pop() for _ in range(-(-length // T))]
-        first = max(0, length - window) if window else 0
-        tables.append(table[first // T:])
-        lo.append(first)
-        n.append(length - first)
-    q = torch.randn(len(lengths), Hkv * G, D, generator=g).to(dtype)
+    tables, seq, lo, n = [], [], [], []
+    for i, (before, new) in enumerate(chunks):
+        tables.append([free.pop() for _ in range(-(-(before + new) // T))])
+        for p in range(before, before + new):
+            first = max(0, p - window + 1) if window else 0
+            seq.append(i)
+            lo.append(first)
+            n.append(p + 1 - first)
+    q = torch.randn(len(seq), Hkv * G, D, generator=g).to(dtype)
     width = max(len(t) for t in tables)
-    pages = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    return q, cache, tables, pages, lo, n
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    ints = [torch.tensor(x, dtype=torch.int32) for x in (seq, lo, n)]
+    return q, cache, tables, padded, ints, (seq, lo, n)
 
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        Hkv=st.sampled_from([1, 2]), G=st.sampled_from([1, 2, 4, 8]),
        D=st.sampled_from([16, 64, 256]), T=st.sampled_from([1, 4, 16]),
-       lengths=st.lists(st.integers(1, 70), min_size=1, max_size=6),
+       chunks=st.lists(st.tuples(st.integers(0, 60), st.sampled_from([1, 1, 2, 9])),
+                       min_size=1, max_size=5),
        window=st.sampled_from([0, 5, 32]))
-def test_matches_torch_attention(kernels, seed, dtype, Hkv, G, D, T, lengths, window):
-    q, cache, tables, pages, lo, n = case(seed, dtype, Hkv, G, D, T, lengths, window)
-    got = kernels.paged_decode(q, cache, pages, torch.tensor(lo, dtype=torch.int32),
-                               torch.tensor(n, dtype=torch.int32), D**-0.5)
-    want = reference(q, cache, tables, lo, n, D**-0.5)
+def test_matches_torch_attention(kernels, seed, dtype, Hkv, G, D, T, chunks, window):
+    q, cache, tables, padded, ints, lists = case(seed, dtype, Hkv, G, D, T, chunks, window)
+    got = kernels.paged_attention(q, cache, padded, *ints, D**-0.5)
+    want = reference(q, cache, tables, *lists, D**-0.5)
     # bfloat16: both round scores, probabilities and output, but sum in different orders,
     # so an output may land one bf16 step (2^-8 relative) away.
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -63,20 +67,18 @@ def test_matches_torch_attention(kernels, seed, dtype, Hkv, G, D, T, lengths, wi
 
 def test_reads_a_strided_query_in_place(kernels):
     # The engine hands q as a slice of the fused qkv projection: rows are not contiguous.
-    q, cache, tables, pages, lo, n = case(0, torch.float32, 1, 4, 64, 4, [9, 30], 0)
-    wide = torch.cat([q, torch.randn(2, 2, 64)], dim=1)[:, :4]
+    q, cache, _, padded, ints, _ = case(0, torch.float32, 1, 4, 64, 4, [(8, 1), (20, 10)], 0)
+    wide = torch.cat([q, torch.randn(q.shape[0], 2, 64)], dim=1)[:, :4]
     assert not wide.is_contiguous()
-    args = (cache, pages, torch.tensor(lo, dtype=torch.int32),
-            torch.tensor(n, dtype=torch.int32), 0.125)
-    torch.testing.assert_close(kernels.paged_decode(wide, *args),
-                               kernels.paged_decode(q.contiguous(), *args))
+    torch.testing.assert_close(kernels.paged_attention(wide, cache, padded, *ints, 0.125),
+                               kernels.paged_attention(q.contiguous(), cache, padded, *ints,
+                                                       0.125))
 
 
 def test_rejects_mixed_dtypes(kernels):
-    q, cache, _, pages, lo, n = case(0, torch.float32, 1, 1, 16, 4, [3], 0)
+    q, cache, _, padded, ints, _ = case(0, torch.float32, 1, 1, 16, 4, [(2, 1)], 0)
     with pytest.raises(ValueError, match="share"):
-        kernels.paged_decode(q.bfloat16(), cache, pages, torch.tensor(lo, dtype=torch.int32),
-                             torch.tensor(n, dtype=torch.int32), 0.25)
+        kernels.paged_attention(q.bfloat16(), cache, padded, *ints, 0.25)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
