@@ -3,8 +3,9 @@
 Plain C with no PyTorch headers compiles in about a second (a torch C++ extension takes
 tens of seconds), so the first start of a fresh machine stays fast. Built with
 -march=native for the machine it runs on and cached under kvserve's cache dir, keyed by
-the source, the compiler and the CPU's flags. Where no compiler works the callers keep
-their PyTorch path: `decode_kernel()` is then None.
+the sources, the compiler and the CPU's flags. Where no compiler works, `cpu_kernels()`
+and `kernels_for()` return None (after one warning) and the callers keep their PyTorch
+ops, which do the same arithmetic.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ _SIGNATURES = {
 class CpuKernels:
     """The compiled library's entry points, taking and returning torch tensors."""
 
+    MAX_ROW = 8192  # the longest row the norm kernels take (norms.c's MAX_ROW)
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         for name, (result, args) in _SIGNATURES.items():
             fn = getattr(lib, name)
@@ -132,8 +135,8 @@ class CpuKernels:
         RoPE with cos/signed_sin [n, 1, D] if given. Into `out` (x itself is fine), else a
         new contiguous tensor."""
         n, H, D = x.shape
-        if x.dtype not in _DTYPES or x.stride(-1) != 1 or D > 4096 or D % 2:
-            raise ValueError("norm_rope: float32/bfloat16 rows of even D <= 4096")
+        if x.dtype not in _DTYPES or x.stride(-1) != 1 or D > self.MAX_ROW or D % 2:
+            raise ValueError(f"norm_rope: float32/bfloat16 rows of even D <= {self.MAX_ROW}")
         out = torch.empty((n, H, D), dtype=x.dtype) if out is None else out
         assert out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1
         cos, sin = cos_sin if cos_sin is not None else (None, None)
@@ -152,8 +155,8 @@ class CpuKernels:
         x, h: contiguous [n, D]; the w are float32 (1 + weight) [D]."""
         n, D = x.shape
         if (x.dtype not in _DTYPES or h.dtype != x.dtype or h.shape != x.shape
-                or not (x.is_contiguous() and h.is_contiguous()) or D > 8192):
-            raise ValueError("add_norm: two contiguous float32/bfloat16 [n, D <= 8192]")
+                or not (x.is_contiguous() and h.is_contiguous()) or D > self.MAX_ROW):
+            raise ValueError(f"add_norm: two contiguous float32/bfloat16 [n, D <= {self.MAX_ROW}]")
         y = torch.empty_like(x) if w_next is not None else None
         self.lib.kvs_add_norm(
             x.data_ptr(), h.data_ptr(), n, D, _ptr(w_add, torch.float32, D),

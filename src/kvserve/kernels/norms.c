@@ -12,6 +12,8 @@
 
 #include "bf16.h"
 
+#define MAX_ROW 8192  /* longest row, in elements (rows live on the stack); cpu.py too */
+
 /* y[d] = dtype((x[d] * r) * scale[d]) with r = 1 / sqrt(mean(x^2) + eps), in place */
 static inline void norm_row(float *restrict x, const float *restrict scale, int D, float eps,
                             int is_bf16) {
@@ -30,13 +32,13 @@ static inline void norm_row(float *restrict x, const float *restrict scale, int 
 
 /* Rows x[t][h][:D] (strides in elements) -> norm with scale[h][:D], then, when cos is
  * given, rotary embedding with cos/signed_sin [t][:D] (contiguous rows, x's dtype).
- * y may be x (in place). H * D <= 8192. */
+ * y may be x (in place). D <= MAX_ROW. */
 void kvs_norm_rope(const void *x, int64_t x_ts, int64_t x_hs, int n, int H, int D,
                    const float *scale, float eps, const void *cos, const void *sin,
                    int is_bf16, void *y, int64_t y_ts, int64_t y_hs, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * H * D > 65536)
     for (int t = 0; t < n; t++) {
-        float row[4096], c[4096], s[4096];
+        float row[MAX_ROW], c[MAX_ROW], s[MAX_ROW];
         if (cos) {
             load_row(cos, (int64_t)t * D, c, D, is_bf16);
             load_row(sin, (int64_t)t * D, s, D, is_bf16);
@@ -45,7 +47,7 @@ void kvs_norm_rope(const void *x, int64_t x_ts, int64_t x_hs, int n, int H, int 
             load_row(x, t * x_ts + h * x_hs, row, D, is_bf16);
             norm_row(row, scale + (size_t)h * D, D, eps, is_bf16);
             if (cos) {
-                float out[4096];
+                float out[MAX_ROW];
                 const int half = D / 2;
                 for (int d = 0; d < D; d++) {
                     const float rolled = row[d < half ? d + half : d - half];
@@ -61,12 +63,12 @@ void kvs_norm_rope(const void *x, int64_t x_ts, int64_t x_hs, int n, int H, int 
 }
 
 /* Residual step, rows of D: x += norm(h, w_add) in place; then, when w_next is given,
- * y = norm(x, w_next) (the next sub-block's input). All rows contiguous. D <= 8192. */
+ * y = norm(x, w_next) (the next sub-block's input). All rows contiguous. D <= MAX_ROW. */
 void kvs_add_norm(void *x, const void *h, int n, int D, const float *w_add,
                   const float *w_next, float eps, int is_bf16, void *y, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * D > 65536)
     for (int t = 0; t < n; t++) {
-        float a[8192], b[8192];
+        float a[MAX_ROW], b[MAX_ROW];
         load_row(h, (int64_t)t * D, b, D, is_bf16);
         norm_row(b, w_add, D, eps, is_bf16);
         load_row(x, (int64_t)t * D, a, D, is_bf16);

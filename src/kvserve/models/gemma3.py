@@ -154,8 +154,9 @@ def norm_rope(x: torch.Tensor, scale: torch.Tensor, eps: float,
     in_place lets that pass write over x (the q/k heads of the fresh qkv projection).
     """
     k = kernels_for(x)
-    if k is not None and x.stride(-1) == 1 and x.shape[-1] % 2 == 0:
-        rows = x.view(-1, 1, x.shape[-1]) if x.dim() == 2 else x
+    D = x.shape[-1]
+    if k is not None and x.stride(-1) == 1 and D % 2 == 0 and D <= k.MAX_ROW:
+        rows = x.view(-1, 1, D) if x.dim() == 2 else x
         out = k.norm_rope(rows, scale.expand(rows.shape[1:]).contiguous(), eps,
                           cos_sin and (cos_sin[0], cos_sin[1]), rows if in_place else None)
         return out.view(x.shape)
@@ -171,7 +172,7 @@ def add_norm(x: torch.Tensor, h: torch.Tensor, norm: RMSNorm,
     """
     k = kernels_for(x)
     w_next = next_norm.scale.get(next_norm.weight) if next_norm is not None else None
-    if k is not None and x.is_contiguous() and h.is_contiguous():
+    if k is not None and x.is_contiguous() and h.is_contiguous() and x.shape[-1] <= k.MAX_ROW:
         return x, k.add_norm(x, h, norm.scale.get(norm.weight), norm.eps, w_next)
     x = x + norm(h)
     return x, next_norm(x) if next_norm is not None else None
