@@ -139,13 +139,10 @@ class CpuKernels:
             raise ValueError(f"norm_rope: float32/bfloat16 rows of even D <= {self.MAX_ROW}")
         out = torch.empty((n, H, D), dtype=x.dtype) if out is None else out
         assert out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1
-        cos, sin = cos_sin if cos_sin is not None else (None, None)
-        if cos is not None:
-            _ptr(cos, x.dtype, n * D), _ptr(sin, x.dtype, n * D)
+        cos, sin = [_ptr(t, x.dtype, n * D) for t in cos_sin] if cos_sin else (None, None)
         self.lib.kvs_norm_rope(
             x.data_ptr(), x.stride(0), x.stride(1), n, H, D, _ptr(scale, torch.float32, H * D),
-            eps, None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
-            _DTYPES[x.dtype], out.data_ptr(), out.stride(0), out.stride(1),
+            eps, cos, sin, _DTYPES[x.dtype], out.data_ptr(), out.stride(0), out.stride(1),
             torch.get_num_threads())
         return out
 
@@ -199,7 +196,7 @@ def cpu_kernels(extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
     paths), or None with a warning where they cannot be built."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        warnings.warn("kvserve: no C compiler found; CPU attention uses PyTorch ops",
+        warnings.warn("kvserve: no C compiler found; CPU kernels: using PyTorch ops",
                       stacklevel=2)
         return None
     try:

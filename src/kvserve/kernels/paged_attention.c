@@ -212,7 +212,7 @@ static void values_f32(const float *p, const char *const *rows, int n, int G, in
     }
 }
 
-/* One (sequence, KV head) item. scratch holds (3G + 1) D + G (2n + 1) floats. */
+/* One (query row, KV head) item. scratch holds (3G + 1) D + G (2n + 1) floats. */
 static void attend(const char *qb, int64_t q_sh, const char *const *keys, const char **vals,
                    int64_t kv_bytes, int n, int G, int D, float scale, int is_bf16,
                    float *scratch, char *out) {
@@ -238,15 +238,7 @@ static void attend(const char *qb, int64_t q_sh, const char *const *keys, const 
         softmax(sc, n, G, scale, is_bf16);
         values_f32(sc, (const char *const *)vals, n, G, D, is_bf16, row, acc);
     }
-    for (int g = 0; g < G; g++) {
-        const float *a = acc + (size_t)g * D;
-        if (is_bf16) {
-            uint16_t *dst = (uint16_t *)out + (size_t)g * D;
-            for (int d = 0; d < D; d++) dst[d] = bf16_store(a[d]);
-        } else {
-            memcpy((float *)out + (size_t)g * D, a, sizeof(float) * (size_t)D);
-        }
-    }
+    store_row(out, 0, acc, G * D, is_bf16);  /* the item's G heads sit side by side */
 }
 
 /* Strides are in elements. Row r of q belongs to sequence seq[r], whose page j (keys

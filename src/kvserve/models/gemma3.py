@@ -127,7 +127,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
-        self.scale = Derived(lambda w: 1.0 + w.float())
+        self.scale = Derived(_norm_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return norm_rope(x, self.scale.get(self.weight), self.eps)
@@ -157,8 +157,8 @@ def norm_rope(x: torch.Tensor, scale: torch.Tensor, eps: float,
     D = x.shape[-1]
     if k is not None and x.stride(-1) == 1 and D % 2 == 0 and D <= k.MAX_ROW:
         rows = x.view(-1, 1, D) if x.dim() == 2 else x
-        out = k.norm_rope(rows, scale.expand(rows.shape[1:]).contiguous(), eps,
-                          cos_sin and (cos_sin[0], cos_sin[1]), rows if in_place else None)
+        out = k.norm_rope(rows, scale.expand(rows.shape[1:]).contiguous(), eps, cos_sin,
+                          rows if in_place else None)
         return out.view(x.shape)
     y = rms_norm(x, scale, eps)
     return apply_rope(y, *cos_sin) if cos_sin is not None else y
@@ -397,10 +397,15 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
 
 
+def _norm_scale(weight: torch.Tensor) -> torch.Tensor:
+    """Gemma's zero-centred norm weight as the float32 factor it applies: 1 + w."""
+    return 1.0 + weight.float()
+
+
 def _qk_scale(n_heads: int, n_kv_heads: int, wq: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
-    """[q heads + kv heads, head_dim] float32 (1 + w) of q_norm, then of k_norm."""
-    return torch.cat(((1.0 + wq.float()).expand(n_heads, -1),
-                      (1.0 + wk.float()).expand(n_kv_heads, -1)))
+    """[q heads + kv heads, head_dim] norm scales of q_norm, then of k_norm."""
+    return torch.cat((_norm_scale(wq).expand(n_heads, -1),
+                      _norm_scale(wk).expand(n_kv_heads, -1)))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: Derived) -> torch.Tensor:

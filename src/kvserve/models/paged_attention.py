@@ -77,6 +77,11 @@ def _length_groups(rows: list[int], lengths: list[int], per_group: int = 16,
     return [ordered[i:i + size] for i in range(0, len(ordered), size)]
 
 
+def _first_key(s: SeqStep, window: int) -> int:
+    """The lowest key any query of the sequence's chunk sees (its first query's)."""
+    return max(0, s.start - window + 1) if window else 0
+
+
 class PagedAttention:
     def __init__(
         self, pool: KVPool, bindings: Sequence[LayerBinding], scale: float, block_size: int
@@ -101,7 +106,6 @@ class PagedAttention:
         """
         self.seqs = list(seqs)
         pos = torch.cat([torch.arange(s.start, s.start + s.num_new) for s in seqs])
-        self.num_tokens = int(pos.numel())
         self.writes = {spec: self._write_slots(spec, pos) for spec, _ in self._windows}
         if self.kernels:
             self.ranges = {key: self._key_ranges(pos, *key) for key in self._windows}
@@ -146,7 +150,7 @@ class PagedAttention:
         rows = []
         for s in seqs:
             table = s.tables[spec][:-(-(s.start + s.num_new) // T)]
-            first = max(0, s.start - window + 1) if window else 0  # the chunk's lowest key
+            first = _first_key(s, window)
             if min(table[first // T:]) < 0:
                 raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
             rows.append(table)
@@ -162,7 +166,7 @@ class PagedAttention:
         """Gather whole pages (one index per page, not per token); the mask trims them."""
         T = self.T
         q_len = max(s.num_new for s in group)
-        firsts = [max(0, s.start - window + 1) // T if window else 0 for s in group]
+        firsts = [_first_key(s, window) // T for s in group]
         lasts = [-(-(s.start + s.num_new) // T) for s in group]
         P = max(last - first for first, last in zip(firsts, lasts))
         rows = []
