@@ -73,3 +73,10 @@ def long_prompt(kv: KvModel) -> list[int]:
     ids = kv.tokenizer(ledger_text(60)).input_ids[:700]
     assert len(ids) == 700 > kv.config.sliding_window
     return ids
+
+
+def pytest_report_header() -> str:
+    """Which CPU paths this run covers (native bf16, AVX-512 kernels, or AVX2 only)."""
+    from kvserve.cpu_features import summary
+
+    return f"cpu: {summary()}"

@@ -1,20 +1,37 @@
 """Engine settings that need no model."""
 
+import warnings
+
 import pytest
 import torch
 
+from kvserve.cpu_features import bf16_native
 from kvserve.engine.engine import resolve_dtype
 
 CPU = torch.device("cpu")
 
 
 def test_auto_dtype_is_bf16_where_the_cpu_runs_it_natively():
-    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert resolve_dtype("auto", CPU) == (torch.bfloat16 if native else torch.float32)
+    assert resolve_dtype("auto", CPU) == (torch.bfloat16 if bf16_native() else torch.float32)
 
 
 def test_named_and_given_dtypes_pass_through():
     assert resolve_dtype("float32", CPU) == torch.float32
-    assert resolve_dtype(torch.float16, CPU) == torch.float16
+    assert resolve_dtype(torch.float32, CPU) == torch.float32
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("bogus", CPU)
+
+
+def test_float16_is_refused_on_cpu_up_front():
+    with pytest.raises(ValueError, match="not supported on CPU"):
+        resolve_dtype(torch.float16, CPU)
+
+
+def test_bf16_runs_and_says_why_it_is_slow_only_where_it_is_emulated():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
+    emulated = [w for w in caught if "emulated" in str(w.message)]
+    assert len(emulated) == (0 if bf16_native() else 1)
+    if emulated:
+        assert "avx512_bf16" in str(emulated[0].message)

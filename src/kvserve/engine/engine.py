@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvserve.cpu_features import bf16_missing, bf16_native, cpu_name
 from kvserve.engine.detokenizer import DetokState, detokenize_step, start_state
 from kvserve.engine.request import (
     CompletionOutput,
@@ -45,18 +47,29 @@ class EngineConfig:
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
     """"auto" is bfloat16 where the device computes it natively (CUDA with bf16, a CPU
     whose oneDNN runs bf16: 2.2-2.5x float32's throughput on an AVX-512 BF16 CPU), else
-    float16 on older GPUs and float32 on CPUs. Names ("bfloat16") are torch dtypes."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype != "auto":
+    float16 on older GPUs and float32 on CPUs. Names ("bfloat16") are torch dtypes.
+
+    An explicit bfloat16 on a CPU without native bf16 runs (torch emulates the matmuls, the
+    kernels compute in float32 from bf16 storage: correct, about 3x slower than float32 on an
+    AVX2 CPU), with a warning naming what is missing; float16 is refused on CPUs, where no
+    path computes it well."""
+    if isinstance(dtype, str) and dtype != "auto":
         value = getattr(torch, dtype, None)
         if not isinstance(value, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}")
-        return value
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return torch.bfloat16 if device.type == "cpu" and native else torch.float32
+        dtype = value
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if bf16_native() else torch.float32
+    if device.type == "cpu":
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype {dtype} is not supported on CPU; use auto, float32 or "
+                             "bfloat16")
+        if dtype == torch.bfloat16 and not bf16_native():
+            warnings.warn(f"kvserve: bfloat16 runs emulated: {bf16_missing()} "
+                          f"({cpu_name()}); --dtype auto picks float32 here", stacklevel=2)
+    return dtype
 
 
 def resolve_kv_bytes(kv_memory: int | float | None, device: torch.device) -> int:

@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--kv-memory", default=None, help="KV pool: bytes (e.g. 1G) or a fraction")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 where the device computes it natively, else float32")
 
 

@@ -3,7 +3,9 @@
 Plain C with no PyTorch headers compiles in about a second (a torch C++ extension takes
 tens of seconds), so the first start of a fresh machine stays fast. Built with
 -march=native for the machine it runs on and cached under kvserve's cache dir, keyed by
-the sources, the compiler and the CPU's flags. Where no compiler works, `cpu_kernels()`
+the sources, the compiler and the CPU's flags (one cache entry per feature set: every
+AVX-512 path in the sources is guarded by the compiler's feature macros, so the same sources
+build for AVX2-only CPUs and take the float32 paths there). Where no compiler works, `cpu_kernels()`
 and `kernels_for()` return None (after one warning) and the callers keep their PyTorch
 ops, which do the same arithmetic.
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.cpu_features import cpu_flags
 from kvserve.paths import default_cache_dir
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
@@ -30,19 +33,11 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _cpu_flags() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line for line in lines if line.startswith(("flags", "Features"))), "")
-
-
 def _build(compiler: str, flags: list[str]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=True).stdout
     texts = [src.read_text() for src in _SOURCES + _HEADERS]
-    parts = [*texts, version, " ".join(flags), _cpu_flags()]
+    parts = [*texts, version, " ".join(flags), " ".join(sorted(cpu_flags()))]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     target = default_cache_dir() / "kernels" / f"cpu-{key[:16]}.so"
     if not target.is_file():

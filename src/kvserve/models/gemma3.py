@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.cpu_features import bf16_native
 from kvserve.kernels.cpu import kernels_for
 
 SLIDING = "sliding_attention"
@@ -413,10 +414,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Derived) -> torch.Tens
 
     Bitwise equal to F.linear on Gemma 3 270M's shapes and measured faster on a 2-core
     AVX-512 CPU: ~1.5x for the 262k-row head, 2.3x for the layers' projections at one token and
-    ~1.2x at 32 tokens (one thread). Other dtypes, devices and autograd take F.linear.
+    ~1.2x at 32 tokens (one thread). oneDNN prepacks bf16 only where the CPU computes it
+    natively; elsewhere (AVX2-only) F.linear's emulated bf16 is the correct path. Other
+    dtypes, devices and autograd take F.linear too.
     """
     if (x.device.type == "cpu" and weight.dtype == torch.bfloat16 == x.dtype
-            and not torch.is_grad_enabled() and torch.backends.mkldnn.is_available()):
+            and not torch.is_grad_enabled() and bf16_native()):
         return torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), packed.get(weight), None, "none", [], "")
     return F.linear(x, weight)
