@@ -25,6 +25,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.memory import KVCacheManager
 from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.loader import load_model_files
+from kvserve.models.quant import resolve_quantization
 
 GiB = 1 << 30
 PromptInput = str | dict | Sequence[int]
@@ -42,6 +43,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     policy: str = "jenga"
+    quantization: str = "auto"  # auto | none | int8: see models/quant.py
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
@@ -97,7 +99,9 @@ class LLMEngine:
         device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         config, state_dict, tokenizer = load_model_files(cfg.model)
         dtype = resolve_dtype(cfg.dtype, device)
+        quantization = resolve_quantization(cfg.quantization, device, config.source_weight_types)
         model = Gemma3ForCausalLM.from_state_dict(config, state_dict, device, dtype)
+        model.quantize(quantization)
         return cls(model, tokenizer, cfg)
 
     def __init__(self, model: Gemma3ForCausalLM, tokenizer, cfg: EngineConfig) -> None:

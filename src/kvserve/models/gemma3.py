@@ -20,6 +20,7 @@ from torch import nn
 
 from kvserve.cpu_features import bf16_native
 from kvserve.kernels.cpu import kernels_for
+from kvserve.models.quant import QuantLinear, quantize_linears, quantized
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -54,6 +55,9 @@ class Gemma3Config:
     eos_token_ids: list[int] = field(default_factory=lambda: [1])
     pad_token_id: int = 0
     model_type: str = "gemma3_text"
+    # The storage types of the checkpoint's matrices (GGUF: "Q4_K", "Q8_0", ...; empty for
+    # float checkpoints): what --quantization auto goes by.
+    source_weight_types: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -111,13 +115,16 @@ class AttentionBackend(Protocol):
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict names) that runs bf16 CPU inference through a
-    oneDNN-prepacked copy of its weight: see ``linear``."""
+    oneDNN-prepacked copy of its weight (see ``linear``), or its fp16/int8 copy once quantized."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
         self.packed = Derived(_pack)
+        self.quant: QuantLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant(x)
         return linear(x, self.weight, self.packed)
 
 
@@ -325,6 +332,8 @@ class Gemma3ForCausalLM(nn.Module):
         self.rope_global = RotaryEmbedding(config.head_dim, config.rope_theta, factor)
         self.embed_scale = math.sqrt(config.hidden_size)
         self._packed_head = Derived(_pack)  # the tied head has no Linear module of its own
+        self.quant_head: QuantLinear | None = None
+        self.quantization = "none"
 
     @property
     def device(self) -> torch.device:
@@ -349,7 +358,9 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] (tied head, optional final softcapping)."""
-        if self.lm_head is None:
+        if self.quant_head is not None:
+            logits = self.quant_head(hidden)
+        elif self.lm_head is None:
             logits = linear(hidden, self.model.embed_tokens.weight, self._packed_head)
         else:
             logits = self.lm_head(hidden)
@@ -357,6 +368,19 @@ class Gemma3ForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def quantize(self, mode: str) -> int:
+        """Serve every linear (and the head) from fp16 or int8 copies (see models/quant.py);
+        the float weights of the linears are dropped, the tied embedding stays for token
+        lookups. Returns the bytes the copies hold."""
+        if mode == "none":
+            return 0
+        held = quantize_linears([m for m in self.modules() if isinstance(m, Linear)], mode)
+        if self.lm_head is None:
+            self.quant_head = quantized(self.model.embed_tokens.weight, mode)
+            held += self.quant_head.nbytes()
+        self.quantization = mode
+        return held
 
     @classmethod
     def from_state_dict(

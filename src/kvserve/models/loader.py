@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # transformers is slow to import; only the tokenizer path nee
     from transformers import PreTrainedTokenizerBase
 
 # Bump when the converted layout changes so stale caches are rebuilt rather than misread.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the config records the GGUF's weight types
 _CONFIG_FILE = "config.json"
 _WEIGHTS_FILE = "model.safetensors"
 _TOKENIZER_DIR = "tokenizer"  # own folder: AutoTokenizer would misread our config.json
@@ -149,6 +149,9 @@ def read_gguf(gguf_path: Path) -> tuple[Gemma3Config, dict[str, torch.Tensor]]:
     reader = GGUFReader(gguf_path)
     meta = _GGUFMeta(reader)
     config = gguf_config(meta, {t.name: [int(d) for d in t.shape] for t in reader.tensors})
+    # What the file ships for its matrices: --quantization auto keeps roughly that.
+    config.source_weight_types = sorted(
+        {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2})
     state_dict = {}
     for tensor in reader.tensors:
         state_dict[_gguf_to_hf_name(tensor.name)] = _dequantize(tensor)

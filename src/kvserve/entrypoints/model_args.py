@@ -1,0 +1,38 @@
+"""The model and memory options `kvserve serve` and `kvserve generate` share."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="GGUF file or HF directory (default: the packaged Gemma 3 270M)")
+    p.add_argument("--kv-memory", default=None,
+                   help="KV pool: bytes ('2G', '512M') or a fraction of free memory ('0.3')")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 where the device computes it natively, else float32")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "fp16", "int8"],
+                   help="weights: auto keeps roughly what the file ships (int8 on a CPU for a "
+                        "quantized GGUF), none serves them in --dtype")
+
+
+def parse_memory(text: str | None) -> int | float | None:
+    """'2G', '512M', '1073741824' -> bytes; '0.3' -> a fraction of free memory."""
+    if text is None:
+        return None
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    value = float(t)
+    return value if value <= 1 else int(value)
+
+
+def model_config(args: argparse.Namespace, **engine_args: Any) -> Any:
+    """EngineConfig from the shared options plus a command's own settings."""
+    from kvserve.engine.engine import EngineConfig
+
+    return EngineConfig(model=args.model, kv_memory=parse_memory(args.kv_memory),
+                        dtype=args.dtype, quantization=args.quantization, **engine_args)
