@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from kvserve.engine.engine import EngineConfig, LLMEngine
+from kvserve.cpu_features import summary
+from kvserve.engine.engine import EngineConfig, LLMEngine, resolve_dtype
 from kvserve.engine.request import SamplingParams
 
 MiB = 1 << 20
@@ -44,13 +45,19 @@ def warm(engine: LLMEngine) -> None:
     run_engine(engine, [[2, 100, 200, 300]], [4])
 
 
+def load(args: argparse.Namespace, kv_memory: int) -> LLMEngine:
+    return LLMEngine.load(EngineConfig(kv_memory=kv_memory, dtype=args.dtype,
+                                       quantization=args.quantization))
+
+
 def fixed(args: argparse.Namespace) -> dict:
-    engine = LLMEngine.load(EngineConfig(kv_memory=1 << 30, dtype=getattr(torch, args.dtype)))
+    engine = load(args, 1 << 30)
     warm(engine)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 200_000, (128,), generator=g).tolist() for _ in range(32)]
     return {"workload": "32 prompts x 128 tokens, 128 greedy output tokens, EOS ignored",
-            "dtype": args.dtype, "device": str(engine.model.device),
+            "dtype": str(engine.model.dtype), "quantization": engine.model.quantization,
+            "device": str(engine.model.device), "cpu": summary(),
             "batch32": run_engine(engine, prompts, [128] * 32),
             "single_stream": run_engine(engine, prompts[:1], [128])}
 
@@ -96,14 +103,15 @@ def hf_generate(prompts: list[list[int]], outputs: list[int], dtype: torch.dtype
 
 
 def sharegpt(args: argparse.Namespace) -> dict:
-    dtype = getattr(torch, args.dtype)
-    engine = LLMEngine.load(EngineConfig(kv_memory=1 << 30, dtype=dtype))
+    engine = load(args, 1 << 30)
+    dtype = engine.model.dtype
     warm(engine)
     prompts, outputs = sharegpt_workload(engine.tokenizer, args.num_prompts, args.max_input,
                                          args.max_output)
     result = {"workload": f"ShareGPT first turns: {len(prompts)} prompts (input <= "
                           f"{args.max_input}, output = answer length <= {args.max_output})",
-              "dtype": args.dtype, "input_tokens": sum(map(len, prompts)),
+              "dtype": str(dtype), "quantization": engine.model.quantization,
+              "cpu": summary(), "input_tokens": sum(map(len, prompts)),
               "kvserve": run_engine(engine, prompts, outputs)}
     if not args.skip_hf:
         result["transformers"] = hf_generate(prompts, outputs, dtype, args.hf_batch)
@@ -112,7 +120,7 @@ def sharegpt(args: argparse.Namespace) -> dict:
 
 def decode_step(args: argparse.Namespace) -> dict:
     """Time decode steps with --num-prompts ShareGPT requests running at once."""
-    engine = LLMEngine.load(EngineConfig(kv_memory=2 << 30, dtype=getattr(torch, args.dtype)))
+    engine = load(args, 2 << 30)
     warm(engine)
     prompts, _ = sharegpt_workload(engine.tokenizer, args.num_prompts, args.max_input, 1)
     reqs = [engine.add_request(f"s{i}", {"prompt_token_ids": p},
@@ -139,7 +147,7 @@ def capacity(args: argparse.Namespace) -> dict:
     from kvserve.models.loader import load_model_files
 
     config, _, tokenizer = load_model_files(None)
-    specs, _, _ = attention_specs(config, getattr(torch, args.dtype))
+    specs, _, _ = attention_specs(config, resolve_dtype(args.dtype, torch.device("cpu")))
     prompts, outputs = sharegpt_workload(tokenizer, 2000, 4096, 4096)
     lengths = [len(p) + o for p, o in zip(prompts, outputs)]
     result = {"kv_budget_MiB": args.kv_mib, "dtype": args.dtype,
@@ -157,7 +165,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["fixed", "sharegpt", "step", "capacity"])
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "fp16", "int8"])
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-input", type=int, default=512)
     ap.add_argument("--max-output", type=int, default=128)

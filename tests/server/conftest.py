@@ -6,6 +6,7 @@ the server costs an engine around it and a thread, not another load.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -14,23 +15,25 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+import torch
 import uvicorn
 from server_harness import KV_MEMORY, MODEL, LiveServer
 
 from kvserve.engine.engine import EngineConfig, LLMEngine
+from kvserve.models import Gemma3Config, Gemma3ForCausalLM
 from kvserve.server.app import build_app
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 
-@pytest.fixture(scope="session")
-def server(kv) -> Iterator[LiveServer]:
-    engine = LLMEngine(kv.model, kv.tokenizer, EngineConfig(kv_memory=KV_MEMORY))
+@contextlib.contextmanager
+def live_server(engine: LLMEngine, name: str = MODEL) -> Iterator[LiveServer]:
+    """`engine` behind the real app, served by uvicorn on a free loopback port."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(build_app(engine, MODEL), log_level="warning", lifespan="on")
+    config = uvicorn.Config(build_app(engine, name), log_level="warning", lifespan="on")
     uv = uvicorn.Server(config)
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -38,10 +41,33 @@ def server(kv) -> Iterator[LiveServer]:
     while not uv.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
-    yield LiveServer(f"http://127.0.0.1:{port}", engine)
-    uv.should_exit = True
-    thread.join(30)
-    sock.close()
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", engine)
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="session")
+def server(kv) -> Iterator[LiveServer]:
+    with live_server(LLMEngine(kv.model, kv.tokenizer, EngineConfig(kv_memory=KV_MEMORY))) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def tiny_server(kv) -> Iterator[LiveServer]:
+    """The real tokenizer and chat template in front of a tiny seeded random model whose
+    context is 96 tokens, so that any generated request finishes in milliseconds (for
+    fuzzing)."""
+    torch.manual_seed(0)
+    config = Gemma3Config(
+        vocab_size=kv.config.vocab_size, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        sliding_window=8, max_position_embeddings=96, eos_token_ids=kv.config.eos_token_ids)
+    model = Gemma3ForCausalLM(config).eval()
+    with live_server(LLMEngine(model, kv.tokenizer, EngineConfig(kv_memory=16 << 20))) as s:
+        yield s
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvserve.entrypoints.model_args import add_model_arguments, model_config
 from kvserve.server import protocol as p
 from kvserve.server.engine_loop import EngineFailure, EngineLoop, EngineSnapshot
-from kvserve.server.errors import APIError, error_response, install_error_handlers
+from kvserve.server.errors import (
+    APIError,
+    error_response,
+    error_responses,
+    install_error_handlers,
+)
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.serving import ClientGone, OpenAIServing
 
@@ -67,32 +72,34 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def models() -> dict[str, Any]:
         return serving.models()
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=error_responses(404))
     async def model(model: str) -> dict[str, Any]:
         serving.check_model(model)
         return serving.model_card()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=error_responses(400, 404, 503))
     async def completions(body: p.CompletionRequest, raw: Request) -> Response:
         return await serving.completions(body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=error_responses(400, 404, 503))
     async def chat(body: p.ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(body, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=error_responses(400, 404))
     async def tokenize(body: p.TokenizeRequest) -> dict[str, Any]:
         return await serving.tokenize(body)
 
 
 def _add_ops_routes(app: FastAPI, engine_loop: EngineLoop, metrics: ServerMetrics) -> None:
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(503))
     async def health() -> Response:
         if not engine_loop.alive:
             return error_response(APIError(503, "the engine thread is not running"))
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+              "description": "Prometheus text exposition format"}})
     async def prometheus() -> Response:
         snapshot: EngineSnapshot | None = None
         try:

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger("kvserve.server")
@@ -25,6 +26,27 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """The body of every error answer (OpenAI's shape), for the OpenAPI document."""
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for a route: the error statuses it can answer, with their body.
+    400 stands for every client mistake (pydantic's 422 is answered as 400)."""
+    words = {400: "invalid request", 404: "unknown model or route", 499: "client left",
+             503: "engine not running"}
+    return {s: {"model": ErrorBody, "description": words.get(s, "error")} for s in statuses}
 
 
 def error_body(err: APIError) -> dict[str, Any]:

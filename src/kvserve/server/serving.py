@@ -119,7 +119,7 @@ class OpenAIServing:
         try:
             out = self._tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-        except TemplateError as e:
+        except (TemplateError, ValueError) as e:  # jinja's raise_exception, or HF's checks
             raise APIError(400, f"the messages do not fit the chat template: {e}",
                            param="messages") from e
         return list(out["input_ids"])
