@@ -24,7 +24,7 @@ from kvserve.engine.sampler import Sampler
 from kvserve.engine.scheduler import Scheduler
 from kvserve.memory import KVCacheManager
 from kvserve.models.gemma3 import Gemma3ForCausalLM
-from kvserve.models.loader import load_model_files
+from kvserve.models.loader import open_model
 from kvserve.models.quant import resolve_quantization
 
 GiB = 1 << 30
@@ -97,12 +97,12 @@ class LLMEngine:
         """Load cfg.model (default Gemma 3 270M) and build the engine around it."""
         cfg = cfg or EngineConfig()
         device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        config, state_dict, tokenizer = load_model_files(cfg.model)
+        config, state_dict, tokenizer = open_model(cfg.model)
         dtype = resolve_dtype(cfg.dtype, device)
         quantization = resolve_quantization(cfg.quantization, device, config.source_weight_types)
         model = Gemma3ForCausalLM.from_state_dict(config, state_dict, device, dtype)
         model.quantize(quantization)
-        return cls(model, tokenizer, cfg)
+        return cls(model, tokenizer.result(), cfg)
 
     def __init__(self, model: Gemma3ForCausalLM, tokenizer, cfg: EngineConfig) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg

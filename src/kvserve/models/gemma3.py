@@ -20,7 +20,7 @@ from torch import nn
 
 from kvserve.cpu_features import bf16_native
 from kvserve.kernels.cpu import kernels_for
-from kvserve.models.quant import QuantLinear, quantize_linears, quantized
+from kvserve.models.quant import QuantLinear, quantize_linears
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -375,10 +375,10 @@ class Gemma3ForCausalLM(nn.Module):
         lookups. Returns the bytes the copies hold."""
         if mode == "none":
             return 0
-        held = quantize_linears([m for m in self.modules() if isinstance(m, Linear)], mode)
-        if self.lm_head is None:
-            self.quant_head = quantized(self.model.embed_tokens.weight, mode)
-            held += self.quant_head.nbytes()
+        tied = [self.model.embed_tokens.weight] if self.lm_head is None else []
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        held, head = quantize_linears(linears, mode, tied)
+        self.quant_head = head[0] if head else None
         self.quantization = mode
         return held
 

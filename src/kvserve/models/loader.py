@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,10 +53,27 @@ def load_model_files(
     an HF directory's tensors keep their stored dtype. State-dict names match
     :class:`~kvserve.models.gemma3.Gemma3ForCausalLM`.
     """
+    config, state_dict, tokenizer = open_model(path, cache_dir=cache_dir)
+    return config, state_dict, tokenizer.result()
+
+
+def open_model(
+    path: str | os.PathLike[str] | None = None, *, cache_dir: str | os.PathLike[str] | None = None
+) -> tuple[Gemma3Config, dict[str, torch.Tensor], Future[PreTrainedTokenizerBase]]:
+    """As load_model_files, with the tokenizer still loading in a thread: building a
+    262k-entry tokenizer takes seconds, which a caller can spend building the model."""
     source = Path(path) if path is not None else default_gguf_path()
     if source.is_dir():
-        return _load_hf_dir(source)
-    return _load_gguf_cached(source, Path(cache_dir) if cache_dir else default_cache_dir())
+        config, state_dict = _load_hf_dir(source)
+        tokenizer_dir = source
+    else:
+        entry = _gguf_cache_entry(source, Path(cache_dir) if cache_dir else default_cache_dir())
+        config, state_dict = _read_cache(entry)
+        tokenizer_dir = entry / _TOKENIZER_DIR
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
+    tokenizer = pool.submit(_load_tokenizer, tokenizer_dir)
+    pool.shutdown(wait=False)
+    return config, state_dict, tokenizer
 
 
 def load_model(
@@ -91,11 +109,12 @@ def file_sha256(path: Path) -> str:
 # ---------------------------------------------------------------------------- GGUF + cache
 
 
-def _load_gguf_cached(gguf_path: Path, cache_root: Path) -> LoadedModel:
+def _gguf_cache_entry(gguf_path: Path, cache_root: Path) -> Path:
+    """The file's converted entry, converting it first if there is none yet."""
     entry = cache_root / file_sha256(gguf_path)
     if not _cache_complete(entry):
         _convert_gguf_to_cache(gguf_path, entry)
-    return _read_cache(entry)
+    return entry
 
 
 def _cache_complete(entry: Path) -> bool:
@@ -105,11 +124,9 @@ def _cache_complete(entry: Path) -> bool:
     return json.loads(config_file.read_text()).get(_FORMAT_KEY) == CACHE_FORMAT
 
 
-def _read_cache(entry: Path) -> LoadedModel:
+def _read_cache(entry: Path) -> tuple[Gemma3Config, dict[str, torch.Tensor]]:
     raw = json.loads((entry / _CONFIG_FILE).read_text())
-    config = Gemma3Config.from_dict(raw)
-    state_dict = load_file(entry / _WEIGHTS_FILE)
-    return config, state_dict, _load_tokenizer(entry / _TOKENIZER_DIR)
+    return Gemma3Config.from_dict(raw), load_file(entry / _WEIGHTS_FILE)
 
 
 def _convert_gguf_to_cache(gguf_path: Path, entry: Path) -> None:
@@ -300,7 +317,7 @@ def _gguf_eos_ids(meta: _GGUFMeta, tokens: list[str]) -> list[int]:
 # ---------------------------------------------------------------------------- HF directory
 
 
-def _load_hf_dir(model_dir: Path) -> LoadedModel:
+def _load_hf_dir(model_dir: Path) -> tuple[Gemma3Config, dict[str, torch.Tensor]]:
     config = hf_config(model_dir)
     state_dict: dict[str, torch.Tensor] = {}
     for shard in sorted(model_dir.glob("*.safetensors")):
@@ -309,7 +326,7 @@ def _load_hf_dir(model_dir: Path) -> LoadedModel:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)  # some exports save the tied copy
-    return config, state_dict, _load_tokenizer(model_dir)
+    return config, state_dict
 
 
 def hf_config(model_dir: Path) -> Gemma3Config:

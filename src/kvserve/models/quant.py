@@ -24,6 +24,7 @@ Norms, RoPE, attention, the residual stream and the KV cache keep the model's dt
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -122,12 +123,23 @@ def quantized(weight: torch.Tensor, mode: str) -> QuantLinear:
     return _KINDS[mode](weight)
 
 
-def quantize_linears(modules: list[nn.Module], mode: str) -> int:
+def quantize_all(weights: list[torch.Tensor], mode: str) -> list[QuantLinear]:
+    """Packed copies of many weights, packed on every core at once: fbgemm packs one
+    weight on one thread and releases the GIL (the 262k-row head alone takes seconds)."""
+    # Largest first, so the head does not start last and finish alone.
+    order = sorted(range(len(weights)), key=lambda i: -weights[i].numel())
+    with ThreadPoolExecutor(max(torch.get_num_threads(), 1)) as pool:
+        packed = dict(zip(order, pool.map(lambda i: quantized(weights[i], mode), order)))
+    return [packed[i] for i in range(len(weights))]
+
+
+def quantize_linears(modules: list[nn.Module], mode: str,
+                     extra: list[torch.Tensor] = ()) -> tuple[int, list[QuantLinear]]:
     """Give each module with a `weight` and a `quant` slot its packed copy and drop the float
-    weight (kept as a meta tensor: shape, no memory). Returns the bytes the copies hold."""
-    held = 0
-    for m in modules:
-        m.quant = quantized(m.weight, mode)
+    weight (kept as a meta tensor: shape, no memory); pack the `extra` weights alongside.
+    Returns the bytes all copies hold and the extra copies."""
+    packed = quantize_all([m.weight for m in modules] + list(extra), mode)
+    for m, q in zip(modules, packed):
+        m.quant = q
         m.weight = nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
-        held += m.quant.nbytes()
-    return held
+    return sum(q.nbytes() for q in packed), packed[len(modules):]
