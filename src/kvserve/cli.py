@@ -20,18 +20,18 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
+    # Only the chosen command's module is imported: the others pull in the server, the
+    # simulator or plotting, seconds of start-up that `kvserve generate` should not pay.
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name and e.name.startswith("kvserve"):
-                continue  # not built yet
-            raise
         p = sub.add_parser(name, help=help_text, description=help_text)
-        mod.add_arguments(p)
-        p.set_defaults(func=mod.main)
+        if name == chosen:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(func=mod.main)
     args = ap.parse_args(argv)
     args.func(args)
 
