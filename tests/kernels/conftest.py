@@ -2,9 +2,10 @@ import pytest
 
 from kvserve.kernels.cpu import cpu_kernels
 
-# The machine's own build (AVX-512 BF16 paths where the CPU has them) and a portable one
-# (what a CPU without AVX-512 runs), so CI checks both.
-BUILDS = {"native": (), "portable": ("-mno-avx512f",)}
+# The machine's own build (AVX-512 BF16 paths where the CPU has them), a portable one (what
+# a CPU without AVX-512 runs) and one without AVX2 (the plain loops), so every machine's CI
+# checks every path its compiler can build.
+BUILDS = {"native": (), "portable": ("-mno-avx512f",), "no-avx2": ("-mno-avx2", "-mno-fma")}
 
 
 @pytest.fixture(params=list(BUILDS), scope="session")

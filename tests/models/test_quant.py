@@ -9,7 +9,7 @@ from hf_reference import KvModel, ledger_text
 
 from kvserve.cpu_features import bf16_native
 from kvserve.models import Gemma3ForCausalLM
-from kvserve.models.attention_ref import ContiguousAttention
+from kvserve.models.attention_ref import sequence_logits
 from kvserve.models.quant import fbgemm_available, quantized, resolve_quantization
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(),
@@ -31,7 +31,7 @@ def test_packed_linears_against_float32(tokens: int) -> None:
     x[0] *= 50
     want = x @ w.T
     assert rel_err(quantized(w, "fp16")(x), want) < 1e-3
-    assert rel_err(quantized(w, "int8")(x)[1:], want[1:]) < 0.03 if tokens > 1 else True
+    assert rel_err(quantized(w, "q8")(x), want) < (0.01 if tokens <= 4 else 1e-3)
     assert rel_err(quantized(w, "int8")(x), want) < 0.03
     # bf16 activations come back as bf16, computed from the same packed weight.
     out = quantized(w, "fp16")(x.bfloat16())
@@ -54,11 +54,8 @@ def test_bad_choices_are_refused_up_front() -> None:
         resolve_quantization("int8", torch.device("cuda"), GGUF_TYPES)
 
 
-@torch.inference_mode()
-def predictions(model: Gemma3ForCausalLM, ids: list[int]) -> torch.Tensor:
-    attn = ContiguousAttention(model.config)
-    hidden = model(torch.tensor(ids), attn.begin_batch([0], [len(ids)]), attn)
-    return model.compute_logits(hidden).argmax(-1)
+def predictions(model: Gemma3ForCausalLM, ids: list[int], step: int | None = None):
+    return sequence_logits(model, ids, step).argmax(-1)
 
 
 @pytest.mark.slow
@@ -66,15 +63,17 @@ def test_real_model_quantized_predicts_like_float32(kv: KvModel) -> None:
     ids = kv.tokenizer(ledger_text(12)).input_ids[:200]
     want = predictions(kv.model, ids)
     agreement = {}
-    for mode in ("fp16", "int8"):
+    for mode in ("q8", "fp16", "int8"):
         model = Gemma3ForCausalLM.from_state_dict(kv.config, dict(kv.state_dict))
         held = model.quantize(mode)
         assert model.model.layers[0].mlp.down_proj.weight.is_meta  # float copy dropped
-        assert held <= (2 if mode == "fp16" else 1.1) * sum(
+        assert held <= {"q8": 3.2, "fp16": 2, "int8": 1.1}[mode] * sum(
             w.numel() for n, w in kv.state_dict.items() if n.endswith("proj.weight")
             or n == "model.embed_tokens.weight")
-        agreement[mode] = float((predictions(model, ids) == want).float().mean())
+        # q8 fed 4 tokens a step takes its Q8_0 decode path everywhere.
+        step = 4 if mode == "q8" else None
+        agreement[mode] = float((predictions(model, ids, step) == want).float().mean())
     # Measured 99.98% and 82.6% on ShareGPT text (benchmarks/quant_quality.py); a wrong scale
     # or layout agrees on almost nothing.
-    assert agreement["fp16"] >= 0.98, agreement
+    assert agreement["fp16"] >= 0.98 and agreement["q8"] >= 0.97, agreement
     assert agreement["int8"] >= 0.6, agreement

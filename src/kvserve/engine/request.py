@@ -54,7 +54,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, logits / temperature overflow to inf (NaN probabilities); the
+        # distribution is a point mass anyway. vLLM draws the same line.
+        return self.temperature < GREEDY_BELOW
+
+
+GREEDY_BELOW = 1e-5
 
 
 def _finite(x: object) -> bool:

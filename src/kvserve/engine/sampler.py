@@ -58,7 +58,9 @@ class Sampler:
         if p.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             # Keep the smallest prefix whose mass reaches top_p (the first token always).
+            # (Explicitly: a top_p below float32's range rounds to 0, and 0 >= 0.)
             drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
+            drop[0] = False
             sorted_p[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
         return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())

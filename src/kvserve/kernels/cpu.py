@@ -68,6 +68,7 @@ _SIGNATURES = {
     "kvs_add_norm": (None, [_VP, _VP, _INT, _INT, _VP, _VP, _F32, _INT, _VP, _INT]),
     "kvs_gelu_mul": (None, [_VP, _INT, _INT, _INT, _VP, _INT]),
     "kvs_argmax": (None, [_VP, _INT, _I64, _INT, _VP, _INT]),
+    "kvs_q8_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT]),
 }
 
 
@@ -165,6 +166,23 @@ class CpuKernels:
         self.lib.kvs_gelu_mul(gate_up.data_ptr(), n, I2 // 2, _DTYPES[gate_up.dtype],
                               out.data_ptr(), torch.get_num_threads())
         return out
+
+    Q8_MAX_ROWS = 4  # qmatmul.c keeps this many rows' sums in registers
+
+    def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """x [M <= 4, K] float32 (unit stride in K) @ W.T for W in Q8_0 blocks: q int8
+        [N, K], d float32 [N, K / 32] (W[n, 32b + i] = d[n, b] * q[n, 32b + i]) -> [M, N]."""
+        M, K = x.shape
+        N = q.shape[0]
+        if (x.dtype != torch.float32 or x.stride(-1) != 1 or not 1 <= M <= self.Q8_MAX_ROWS
+                or K % 32 or q.shape != (N, K) or d.shape != (N, K // 32)):
+            raise ValueError("q8_matmul: x float32 [1..4, K], q int8 [N, K], d [N, K/32], "
+                             "K a multiple of 32")
+        y = torch.empty((M, N), dtype=torch.float32)
+        self.lib.kvs_q8_matmul(_ptr(q, torch.int8, N * K), _ptr(d, torch.float32, N * K // 32),
+                               x.data_ptr(), x.stride(0), M, N, K, y.data_ptr(),
+                               torch.get_num_threads())
+        return y
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """First index of each row's maximum, logits [B, V] contiguous -> int64 [B]."""

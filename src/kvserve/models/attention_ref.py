@@ -145,3 +145,18 @@ def greedy_generate(
             out.append(tok)
         step_inputs = [[t] for t in next_ids]
     return generated
+
+
+@torch.inference_mode()
+def sequence_logits(model: Gemma3ForCausalLM, ids: Sequence[int],
+                    step: int | None = None) -> torch.Tensor:
+    """Float32 logits at every position of one sequence [len(ids), vocab], fed `step`
+    tokens a forward (all at once if None): the yardstick for quantization quality."""
+    attn = ContiguousAttention(model.config, model.device)
+    out = []
+    for start in range(0, len(ids), step or len(ids)):
+        chunk = list(ids[start:start + (step or len(ids))])
+        positions = attn.begin_batch([0], [len(chunk)])
+        hidden = model(torch.tensor(chunk, device=attn.device), positions, attn)
+        out.append(model.compute_logits(hidden).float())
+    return torch.cat(out)

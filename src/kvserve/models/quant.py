@@ -30,8 +30,10 @@ import torch
 from torch import nn
 
 from kvserve.cpu_features import bf16_native, cpu_flags
+from kvserve.kernels.cpu import cpu_kernels
 
-QUANTIZATIONS = ("auto", "none", "fp16", "int8")
+QUANTIZATIONS = ("auto", "none", "q8", "fp16", "int8")
+SMALL_BATCH = 4  # rows up to which q8 reads Q8_0 blocks (kernels/qmatmul.c)
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 
 
@@ -81,6 +83,41 @@ class Fp16Linear:
         return self.out_features * self.in_features * 2
 
 
+def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_0 layout, unpacked: int8 q [N, K] and one float32 scale per 32
+    weights d [N, K / 32], symmetric (W ~ d * q). A GGUF's own Q8_0 tensors come back as
+    they were wherever the block's largest value is +-127 (llama.cpp picks d so); the
+    other types are re-quantized, on 8 bits where they had 4 to 6."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // 32, 32)
+    d = w.abs().amax(dim=-1) / 127
+    q = torch.where(d[..., None] > 0, w / d.clamp(min=1e-30)[..., None], 0.0)
+    return q.round_().to(torch.int8).view(n, k), d.contiguous()
+
+
+class Q8Linear:
+    """Q8_0 weights for decode, fp16 for batches: at up to 4 tokens a linear is bound by
+    reading its weight, and kernels/qmatmul.c reads 1.125 bytes a weight (fp16: 2) with
+    float32 activations; above that fbgemm's fp16 GEMM is the faster one. Holds both
+    copies (3.1 bytes a weight): results at <= 4 rows round the weights to Q8_0, above to
+    fp16, so a sequence's logits differ slightly with the batch it runs in."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.q, self.d = q8_blocks(weight)
+        self.batch = Fp16Linear(weight)
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        k = cpu_kernels()
+        if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and k is not None:
+            y = k.q8_matmul(x.float().contiguous(), self.q, self.d)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return self.batch(x)
+
+    def nbytes(self) -> int:
+        return self.q.numel() + self.d.numel() * 4 + self.batch.nbytes()
+
+
 class Int8Linear:
     """x @ weight.T with the weight as int8, one symmetric scale per output row.
 
@@ -114,8 +151,8 @@ class Int8Linear:
         return self.out_features * (self.in_features + 8)
 
 
-QuantLinear = Fp16Linear | Int8Linear
-_KINDS: dict[str, type[QuantLinear]] = {"fp16": Fp16Linear, "int8": Int8Linear}
+QuantLinear = Fp16Linear | Q8Linear | Int8Linear
+_KINDS: dict[str, type[QuantLinear]] = {"fp16": Fp16Linear, "q8": Q8Linear, "int8": Int8Linear}
 
 
 def quantized(weight: torch.Tensor, mode: str) -> QuantLinear:
