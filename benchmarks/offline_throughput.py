@@ -21,6 +21,7 @@ import torch
 from kvserve.cpu_features import summary
 from kvserve.engine.engine import EngineConfig, LLMEngine, resolve_dtype
 from kvserve.engine.request import SamplingParams
+from kvserve.models.quant import QUANTIZATIONS
 
 MiB = 1 << 20
 
@@ -166,7 +167,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["fixed", "sharegpt", "step", "capacity"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "fp16", "int8"])
+    ap.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-input", type=int, default=512)
     ap.add_argument("--max-output", type=int, default=128)

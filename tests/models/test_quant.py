@@ -8,6 +8,7 @@ import torch
 from hf_reference import KvModel, ledger_text
 
 from kvserve.cpu_features import bf16_native
+from kvserve.kernels.cpu import cpu_kernels
 from kvserve.models import Gemma3ForCausalLM
 from kvserve.models.attention_ref import sequence_logits
 from kvserve.models.quant import fbgemm_available, quantized, resolve_quantization
@@ -39,7 +40,7 @@ def test_packed_linears_against_float32(tokens: int) -> None:
 
 
 def test_auto_keeps_what_the_file_ships_without_losing_quality() -> None:
-    expect = "none" if bf16_native() else "fp16"
+    expect = "none" if bf16_native() else "q8" if cpu_kernels() is not None else "fp16"
     assert resolve_quantization("auto", CPU, GGUF_TYPES) == expect
     assert resolve_quantization("auto", CPU, ["F32"]) == "none"
     assert resolve_quantization("auto", CPU, []) == "none"

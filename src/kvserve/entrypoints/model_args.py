@@ -13,9 +13,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV pool: bytes ('2G', '512M') or a fraction of free memory ('0.3')")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 where the device computes it natively, else float32")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "fp16", "int8"],
-                   help="weights: auto keeps roughly what the file ships (int8 on a CPU for a "
-                        "quantized GGUF), none serves them in --dtype")
+    p.add_argument("--quantization", default="auto",
+                   choices=["auto", "none", "q8", "fp16", "int8"],
+                   help="weights: auto keeps roughly what the file ships (q8 on a float32 "
+                        "CPU for a quantized GGUF), none serves them in --dtype")
 
 
 def parse_memory(text: str | None) -> int | float | None:

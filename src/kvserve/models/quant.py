@@ -1,4 +1,4 @@
-"""Packed weights for CPU serving through fbgemm: fp16 (near-exact) and int8 (fastest).
+"""Packed weights for CPU serving: q8 (Q8_0 decode kernel + fp16), fp16, int8.
 
 A GGUF ships its linear weights quantized (Gemma 3 270M Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0);
 running them as float32 reads 2-8x more bytes per token than llama.cpp does, and a decode
@@ -9,9 +9,12 @@ fp16 1.4-5x and int8 1.0-10x faster than float32 F.linear at 1 and 32 tokens; to
 weight-only int8/int4 ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were
 3-60x slower than fbgemm there, so they are not used.
 
-What is exact and what is not. Neither keeps the GGUF's blocks (one scale per 32 or 256
-weights): fbgemm takes other layouts, so the weights are re-quantized from the GGUF's
-dequantized values.
+What is exact and what is not. fbgemm takes its own layouts, so its copies are
+re-quantized from the GGUF's dequantized values.
+- q8 (the default on float32 CPUs): at up to 4 tokens a step (decode), llama.cpp's Q8_0
+  blocks (int8, one scale per 32 weights; the file's own Q8_0 tensors, such as Gemma 3's
+  tied embedding, come back exactly) read by kernels/qmatmul.c with float32 activations;
+  larger steps take the fp16 copy below. Half of fp16's bytes at decode.
 - fp16: every weight rounded to float16 (11 significant bits, far finer than the 4-8 bits
   the file ships); activations and sums in float32. Top-1 agreement with the float32 model
   99.98%, same perplexity (ShareGPT text, 6144 tokens).
@@ -47,18 +50,20 @@ def resolve_quantization(mode: str, device: torch.device, source_types: list[str
     """The quantization to serve with; an explicit choice the device cannot run is refused
     up front.
 
-    "auto" keeps roughly what the file ships at no cost in quality: fp16 for a quantized
-    GGUF on a CPU that computes in float32 (no native bf16), where it is 1.5-3.5x faster than
-    float32 with 99.98% top-1 agreement; none for float checkpoints, on GPUs and where bf16
-    runs natively (bf16 weights are as small, and computed by oneDNN). int8 is faster still
-    but loses quality (82.6% top-1 agreement on Gemma 3 270M): only on request.
+    "auto" keeps roughly what the file ships at no cost in quality: for a quantized GGUF on
+    a CPU that computes in float32 (no native bf16), q8 (Q8_0 blocks read by our kernel at
+    decode, fbgemm fp16 for batches) where the C kernels build, else fp16; none for float
+    checkpoints, on GPUs and where bf16 runs natively (bf16 weights are as small, and
+    computed by oneDNN). int8 is faster at large batches but loses quality (82.6% top-1
+    agreement on Gemma 3 270M): only on request.
     """
     if mode not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {mode!r}; choose one of {QUANTIZATIONS}")
     if mode == "auto":
         shipped = any(t not in _FLOAT_TYPES for t in source_types)
-        cpu_f32 = device.type == "cpu" and not bf16_native()
-        return "fp16" if shipped and cpu_f32 and fbgemm_available() else "none"
+        if not (shipped and device.type == "cpu" and not bf16_native() and fbgemm_available()):
+            return "none"
+        return "q8" if cpu_kernels() is not None else "fp16"
     if mode != "none" and device.type != "cpu":
         raise ValueError(f"quantization {mode} runs on CPUs (fbgemm); use none on GPUs")
     if mode != "none" and not fbgemm_available():
