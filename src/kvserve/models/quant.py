@@ -14,7 +14,8 @@ re-quantized from the GGUF's dequantized values.
 - q8 (the default on float32 CPUs): at up to 4 tokens a step (decode), llama.cpp's Q8_0
   blocks (int8, one scale per 32 weights; the file's own Q8_0 tensors, such as Gemma 3's
   tied embedding, come back exactly) read by kernels/qmatmul.c with float32 activations;
-  larger steps take the fp16 copy below. Half of fp16's bytes at decode.
+  larger steps take the fp16 copy below. Half of fp16's bytes at decode; top-1
+  agreement with the float32 model 98.80%, perplexity 8.051 -> 8.056.
 - fp16: every weight rounded to float16 (11 significant bits, far finer than the 4-8 bits
   the file ships); activations and sums in float32. Top-1 agreement with the float32 model
   99.98%, same perplexity (ShareGPT text, 6144 tokens).
