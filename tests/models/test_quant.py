@@ -74,7 +74,7 @@ def test_real_model_quantized_predicts_like_float32(kv: KvModel) -> None:
         # q8 fed 4 tokens a step takes its Q8_0 decode path everywhere.
         step = 4 if mode == "q8" else None
         agreement[mode] = float((predictions(model, ids, step) == want).float().mean())
-    # Measured 98.8% (q8), 99.98% (fp16) and 82.6% (int8) on ShareGPT text (benchmarks/quant_quality.py); a wrong scale
-    # or layout agrees on almost nothing.
+    # Measured 98.8% (q8), 99.98% (fp16) and 82.6% (int8) on ShareGPT text
+    # (benchmarks/quant_quality.py); a wrong scale or layout agrees on almost nothing.
     assert agreement["fp16"] >= 0.98 and agreement["q8"] >= 0.97, agreement
     assert agreement["int8"] >= 0.6, agreement
