@@ -147,7 +147,9 @@ def main(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching))
     name = served_model_name(args)
-    log.info("serving %s (max_model_len %d, KV pool %.0f MiB) on http://%s:%d", name,
-             engine.max_model_len, engine.kv.pool_bytes / 2**20, args.host, args.port)
+    log.info("serving %s (%s, weights %s, max_model_len %d, KV pool %.0f MiB) on "
+             "http://%s:%d", name, str(engine.model.dtype).removeprefix("torch."),
+             engine.model.quantization, engine.max_model_len, engine.kv.pool_bytes / 2**20,
+             args.host, args.port)
     uvicorn.run(build_app(engine, name), host=args.host, port=args.port,
                 log_level=args.log_level)
