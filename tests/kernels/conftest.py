@@ -12,5 +12,6 @@ BUILDS = {"native": (), "portable": ("-mno-avx512f",), "no-avx2": ("-mno-avx2", 
 def kernels(request):
     built = cpu_kernels(BUILDS[request.param])
     if built is None:
-        pytest.skip("no C compiler")
+        pytest.skip(f"the {request.param} build did not compile here (no C compiler, or "
+                    "flags this compiler refuses)")
     return built
