@@ -58,13 +58,13 @@ def server(kv) -> Iterator[LiveServer]:
 @pytest.fixture(scope="session")
 def tiny_server(kv) -> Iterator[LiveServer]:
     """The real tokenizer and chat template in front of a tiny seeded random model whose
-    context is 96 tokens, so that any generated request finishes in milliseconds (for
+    context is 48 tokens, so that any generated request finishes within a second (for
     fuzzing)."""
     torch.manual_seed(0)
     config = Gemma3Config(
         vocab_size=kv.config.vocab_size, hidden_size=32, intermediate_size=64,
         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        sliding_window=8, max_position_embeddings=96, eos_token_ids=kv.config.eos_token_ids)
+        sliding_window=8, max_position_embeddings=48, eos_token_ids=kv.config.eos_token_ids)
     model = Gemma3ForCausalLM(config).eval()
     with live_server(LLMEngine(model, kv.tokenizer, EngineConfig(kv_memory=16 << 20))) as s:
         yield s
