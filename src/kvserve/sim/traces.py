@@ -188,20 +188,29 @@ def dynamic(n: int = 60, lo: int = 16_384, hi: int = 122_880, out_lo: int = 50,
 
 def arxiv_qa(articles: int = 8, questions: int = 8, article_lo: int = 8_192,
              article_hi: int = 32_768, q_lo: int = 16, q_hi: int = 64, out_lo: int = 50,
-             out_hi: int = 150, rate: float = 1.0, seed: int = 0) -> list[TraceRequest]:
-    """Fig. 17: `questions` questions about each of `articles` articles, in random order.
+             out_hi: int = 150, rate: float = 1.0, order: str = "shuffled",
+             seed: int = 0) -> list[TraceRequest]:
+    """Fig. 17: `questions` questions about each of `articles` articles.
 
-    Each prompt is the article (the shared prefix) followed by a question.
-    Article lengths are uniform in [article_lo, article_hi]: a synthetic
-    stand-in for arxiv-march-2023 full texts (we do not have the dataset).
+    Each prompt is the article (the shared prefix) followed by a question;
+    each answer is `out_lo`..`out_hi` output tokens. Article lengths are
+    uniform in [article_lo, article_hi]: a synthetic stand-in for
+    arxiv-march-2023 full texts (we do not have the dataset). `order`:
+    `shuffled` (random order) or `round_robin` (article 0, 1, ..., N-1, 0, 1,
+    ...: the longest reuse distance, where LRU caches fail first).
     """
     rng = random.Random(seed)
     lengths = [rng.randint(article_lo, article_hi) for _ in range(articles)]
-    order = [(a, q) for a in range(articles) for q in range(questions)]
-    rng.shuffle(order)
-    times = _poisson_arrivals(rng, len(order), rate)
+    if order == "round_robin":
+        pairs = [(a, q) for q in range(questions) for a in range(articles)]
+    elif order == "shuffled":
+        pairs = [(a, q) for a in range(articles) for q in range(questions)]
+        rng.shuffle(pairs)
+    else:
+        raise ValueError(f"arxiv-qa order {order!r}: expected shuffled or round_robin")
+    times = _poisson_arrivals(rng, len(pairs), rate)
     out = []
-    for (a, q), t in zip(order, times):
+    for (a, q), t in zip(pairs, times):
         plen = lengths[a] + rng.randint(q_lo, q_hi)
         out.append(TraceRequest(f"a{a}q{q}", t, rng.randint(out_lo, out_hi), plen,
                                 prefix_id=f"article-{a}", prefix_len=lengths[a]))
