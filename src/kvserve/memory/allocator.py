@@ -38,6 +38,9 @@ from collections.abc import Hashable, Sequence
 from kvserve.memory.spec import Layout
 
 EMPTY, EVICTABLE, USED = 0, 1, 2
+# Eviction key of cached pages that can serve no hit in sight: below any step, so they
+# go first (steps start at 1 once the manager's clock runs).
+DEAD = 0
 
 RequestId = Hashable
 
@@ -599,6 +602,31 @@ class TwoLevelAllocator:
         self.lstamp[lp] += 1
         entry = (self.ltime[lp], next(self._pushes), lp, self.lstamp[lp])
         self.lru_large[self.part[s]].push(entry)
+
+    def touch(self, s: int, pids: Sequence[int], now: int) -> None:
+        """Give evictable pages the eviction key `now`, as if last used now.
+
+        Pages a request let go of early but that serve the same reuse point
+        as the pages it holds to the end get the same time (balanced rule), so
+        a cached prefix is evicted as one unit. Used pages are left alone:
+        their last user stamps them.
+        """
+        sp = self.specs[s]
+        ref, hashes, last, k = sp.ref, sp.hash, sp.last, sp.k
+        for pid in pids:
+            if ref[pid] or hashes[pid] is None or last[pid] >= now:
+                continue
+            last[pid] = now
+            sp.stamp[pid] += 1
+            if k > 1:
+                sp.lru.push((now, -sp.plen[pid], pid, sp.stamp[pid]))
+            lp = pid // k
+            if self.ltime[lp] < now:
+                self.ltime[lp] = now
+                if self.used[lp] == 0:  # re-queue the unused large page under its new time
+                    self.lstamp[lp] += 1
+                    entry = (now, next(self._pushes), lp, self.lstamp[lp])
+                    self.lru_large[self.part[s]].push(entry)
 
     def forget_request(self, req: RequestId) -> None:
         """The request is gone: its large pages' empty pages serve anyone now."""
