@@ -58,6 +58,8 @@ class RequestKV:
     pending: list[list[tuple[int, int]]] = field(default_factory=list)  # per spec
     num_hit: int = 0  # prefix tokens taken from the cache
     prompt_len: int = 0  # tokens known at add_request
+    # eviction key of everything it releases, instead of the step (ReusePoints.lost_key)
+    key: int | None = None
     # per spec: (page, hash) released early but kept for a reuse point; stamped at finish
     kept: list[list[tuple[int, Hashable]]] = field(default_factory=list)
 
@@ -76,10 +78,39 @@ class ReusePoints:
     lookup); the oldest are dropped past `limit`.
     """
 
+    SAMPLE = 64  # blocks between the prefix hashes remembered at finish
+
     def __init__(self, block: int, limit: int = 1 << 16) -> None:
         self.T = block
         self.limit = limit
         self.marks: dict[Hashable, None] = {}
+        # Prefixes finished requests had (every SAMPLE-th block and the sequence
+        # end) -> their eviction key then; cached or not.
+        self.seen: dict[Hashable, int] = {}
+
+    def remember(self, r: RequestKV, key: int) -> None:
+        hashes, seen = r.hashes, self.seen
+        n = min(len(hashes), r.num_computed // self.T)  # blocks whose KV was written
+        for e in [*range(self.SAMPLE, n, self.SAMPLE), n]:
+            if e:
+                seen.pop(hashes[e - 1], None)
+                seen[hashes[e - 1]] = key
+        while len(seen) > 2 * self.limit:
+            del seen[next(iter(seen))]
+
+    def lost_key(self, r: RequestKV, p: int, q: int) -> int | None:
+        """For a request whose longer prefix was cached once and is gone: that use's key.
+
+        Its reuse distance was longer than the pool could hold, so caching it
+        as new would push out prefixes that still hit, and in a loop over more
+        prefixes than fit every one would miss (LRU's failure). Its pages keep
+        the key of its previous use instead: prefixes used since then stay,
+        prefixes idle for longer still go first, so the protected set follows
+        the workload (LIRS's reuse-distance idea, in LRU keys).
+        """
+        hashes, seen = r.hashes, self.seen
+        keys = [seen[hashes[e - 1]] for e in range(p, q, -1) if hashes[e - 1] in seen]
+        return max(keys) if keys else None
 
     def mark(self, h: Hashable) -> None:
         marks = self.marks

@@ -169,6 +169,7 @@ class KVCacheManager:
             p = (len(r.tokens) - 1) // self.T
             q = self._longest_common_hit(r, p)
             self._mark_reuse(r, p, q)
+            r.key = self.reuse.lost_key(r, p, q)
         for m in self.managers:
             m.claim_hit(r, q)
         r.num_hit = r.num_computed = r.num_alloc = q * self.T
@@ -230,7 +231,7 @@ class KVCacheManager:
         if self.enable_caching:
             extend_block_hashes(r.hashes, r.tokens, self.T, r.images, upto=done)
             for m in self.managers:
-                m.advance(r, done, self.now)
+                m.advance(r, done, self._key(r))
         else:
             for m in self.managers:
                 m.release_inactive(r, done, self.now)
@@ -242,10 +243,16 @@ class KVCacheManager:
         if r is None:
             raise KeyError(f"unknown request {req_id!r}")
         for m in self.managers:
-            m.free_all(r, self.now)
+            m.free_all(r, self._key(r))
+        if self.enable_caching:
+            self.reuse.remember(r, self.now)
         self.alloc.forget_request(req_id)
 
     abort = finish  # an abort keeps what was computed: it is valid KV
+
+    def _key(self, r: RequestKV) -> int:
+        """Eviction key of the pages r releases now: the step, unless its prefix was lost."""
+        return self.now if r.key is None else min(r.key, self.now)
 
     def fits_alone(
         self, num_tokens: int, chunk: int, images: Sequence[ImageInput] = ()
