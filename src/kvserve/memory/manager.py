@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from kvserve.memory.allocator import OutOfPages, RequestId, TwoLevelAllocator
 from kvserve.memory.baselines import POLICIES, policy_layout
 from kvserve.memory.layer_types import (
-    ReusePoints,
     RequestKV,
+    ReusePoints,
     SpecManager,
     TextStream,
     make_spec_manager,
