@@ -84,14 +84,16 @@ class ReusePoints:
         self.T = block
         self.limit = limit
         self.marks: dict[Hashable, None] = {}
-        # Prefixes finished requests had (every SAMPLE-th block and the sequence
-        # end) -> their eviction key then; cached or not.
+        # Prefixes finished requests had (blocks 1, 2, 4, .. SAMPLE/2, every SAMPLE-th
+        # and the sequence end, so any prefix has one at least half as long) -> their
+        # eviction key then; cached or not.
         self.seen: dict[Hashable, int] = {}
 
     def remember(self, r: RequestKV, key: int) -> None:
         hashes, seen = r.hashes, self.seen
         n = min(len(hashes), r.num_computed // self.T)  # blocks whose KV was written
-        for e in [*range(self.SAMPLE, n, self.SAMPLE), n]:
+        short = [1 << i for i in range(self.SAMPLE.bit_length() - 1) if 1 << i < n]
+        for e in [*short, *range(self.SAMPLE, n, self.SAMPLE), n]:
             if e:
                 seen.pop(hashes[e - 1], None)
                 seen[hashes[e - 1]] = key
@@ -109,7 +111,8 @@ class ReusePoints:
         the workload (LIRS's reuse-distance idea, in LRU keys).
         """
         hashes, seen = r.hashes, self.seen
-        keys = [seen[hashes[e - 1]] for e in range(p, q, -1) if hashes[e - 1] in seen]
+        lo = max(q, p // 2)  # a lost system prompt alone says little about the request
+        keys = [seen[hashes[e - 1]] for e in range(p, lo, -1) if hashes[e - 1] in seen]
         return max(keys) if keys else None
 
     def mark(self, h: Hashable) -> None:
