@@ -151,7 +151,7 @@ def test_eviction_takes_the_lowest_keys_first(pages, ops):
         if gone and after:
             assert max(gone) <= min(after.values())
         mgr.advance(i, len(tokens) - hit)
-        for j in range(out):
+        for _ in range(out):
             mgr.begin_step()
             tokens.append(3)
             if not mgr.allocate_slots(i, 1):
