@@ -95,25 +95,27 @@ def test_fig10_last_access_timeline():
     assert last["swa"][s1[4]] == 2
 
 
-def test_fig10_sliding_pages_left_window_early():
+def test_fig10_pages_left_window_for_a_reuse_point_leave_with_the_request():
     mgr, pages1, _ = _run_fig10()
-    # A and B were released at the end of step 1: their last access is 1.
+    # A and B left the window in step 1, but a hit near request 1's prompt end
+    # needs them: they are stamped with request 1's finish (step 2), not step 1.
+    # (The paper leaves them at 1, so they would go before the rest of the prefix.)
     swa = mgr.alloc.specs[1]
     times = sorted(swa.last[p] for p in range(len(swa.last)) if swa.hash[p] is not None)
-    assert times.count(1) == 2
+    assert times == [2, 2, 2, 3, 3, 3]
 
 
 def test_fig10_eviction_order_is_balanced():
     mgr, _, _ = _run_fig10()
-    # Request 1's own tokens (E) go before request 2's in both layers: E has
-    # time 2 in both; only A, B in the sliding layer are older.
+    # Request 1's own tokens go before request 2's in both layers; within a
+    # time the longest prefix goes first (aligned rule).
     order = {}
     for i, name in enumerate(["full", "swa"]):
         sp = mgr.alloc.specs[i]
         live = [(sp.last[p], -sp.plen[p], sp.plen[p]) for p in range(len(sp.last)) if sp.hash[p]]
         order[name] = [plen for _, _, plen in sorted(live)]
     assert order["full"][0] == 5  # E (prefix length 5) first
-    assert order["swa"][:3] == [2, 1, 5]  # B, A (left the window), then E
+    assert order["swa"][:3] == [5, 2, 1]  # E, B, A: request 1's, tail first
 
 
 def test_fig11_possible_prefixes():

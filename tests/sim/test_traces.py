@@ -81,6 +81,13 @@ def test_arxiv_qa_shape() -> None:
     assert [r.arrival for r in trace] == sorted(r.arrival for r in trace)
 
 
+def test_arxiv_qa_round_robin_cycles_the_articles() -> None:
+    trace = load_trace("arxiv-qa:articles=3,questions=2,order=round_robin")
+    assert [r.prefix_id[-1] for r in trace] == list("012012")
+    with pytest.raises(ValueError, match="order"):
+        load_trace("arxiv-qa:order=sorted")
+
+
 def test_mmmu_shape() -> None:
     trace = load_trace("mmmu:n=400")
     text = sum(r.prompt_len for r in trace) / len(trace)

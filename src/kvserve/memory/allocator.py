@@ -38,6 +38,9 @@ from collections.abc import Hashable, Sequence
 from kvserve.memory.spec import Layout
 
 EMPTY, EVICTABLE, USED = 0, 1, 2
+# Eviction key of cached pages that can serve no hit in sight: below any step, so
+# they go before every page that can.
+DEAD = -(1 << 62)
 
 RequestId = Hashable
 
@@ -142,7 +145,7 @@ class TwoLevelAllocator:
         self.assoc: list[RequestId | None] = [None] * num_large
         self.used = [0] * num_large  # used small pages per large page
         self.emask = [0] * num_large  # bit i set: small page i is empty (owned pages only)
-        self.ltime = [0] * num_large  # latest last-access among its small pages
+        self.ltime = [DEAD] * num_large  # latest last-access among its small pages
         self.lstamp = [0] * num_large
         self.part = list(range(nspec)) if partitioned else [0] * nspec
         nparts = nspec if partitioned else 1
@@ -425,7 +428,7 @@ class TwoLevelAllocator:
         self.owner[lp] = -1
         self.assoc[lp] = None
         self.emask[lp] = 0
-        self.ltime[lp] = 0
+        self.ltime[lp] = DEAD
         self.lstamp[lp] += 1  # drops its stale LRU entries
 
     def _take_holes(self, s: int, n: int, out: list[int]) -> None:
@@ -523,8 +526,8 @@ class TwoLevelAllocator:
         straight back to the free list (nothing else of its large page to track).
 
         Of _detach's resets only the owner's is needed here: such a page never has an
-        empty-page mask or a request association, and its stale LRU time and stamp are
-        harmless (times only grow; a page becoming unused again gets a fresh stamp).
+        empty-page mask or a request association, its time is set anew when it becomes
+        evictable, and a page becoming unused again gets a fresh stamp.
         """
         ref, hashes, used, owner = sp.ref, sp.hash, self.used, self.owner
         free = self.free_large[self.part[s]]
@@ -558,7 +561,7 @@ class TwoLevelAllocator:
         t = sp.last[pid]
         if sp.k > 1:  # with one page per large page, the large-page LRU covers it
             sp.lru.push((t, -sp.plen[pid], pid, sp.stamp[pid]))
-        if self.ltime[lp] < t:
+        if sp.k == 1 or self.ltime[lp] < t:  # one page: its key, whatever the last one's
             self.ltime[lp] = t
         if self.used[lp] == 0:
             self._became_unused(s, sp, lp)
@@ -577,7 +580,7 @@ class TwoLevelAllocator:
             sp.n_large -= 1
             self.owner[lp] = -1
             self.assoc[lp] = None
-            self.ltime[lp] = 0
+            self.ltime[lp] = DEAD
             self.lstamp[lp] += 1
             self.free_large[self.part[s]].append(lp)
             return
@@ -599,6 +602,31 @@ class TwoLevelAllocator:
         self.lstamp[lp] += 1
         entry = (self.ltime[lp], next(self._pushes), lp, self.lstamp[lp])
         self.lru_large[self.part[s]].push(entry)
+
+    def touch(self, s: int, pids: Sequence[int], now: int) -> None:
+        """Give evictable pages the eviction key `now`, as if last used now.
+
+        Pages a request let go of early but that serve the same reuse point
+        as the pages it holds to the end get the same time (balanced rule), so
+        a cached prefix is evicted as one unit. Used pages are left alone:
+        their last user stamps them.
+        """
+        sp = self.specs[s]
+        ref, hashes, last, k = sp.ref, sp.hash, sp.last, sp.k
+        for pid in pids:
+            if ref[pid] or hashes[pid] is None or last[pid] >= now:
+                continue
+            last[pid] = now
+            sp.stamp[pid] += 1
+            if k > 1:
+                sp.lru.push((now, -sp.plen[pid], pid, sp.stamp[pid]))
+            lp = pid // k
+            if self.ltime[lp] < now:
+                self.ltime[lp] = now
+                if self.used[lp] == 0:  # re-queue the unused large page under its new time
+                    self.lstamp[lp] += 1
+                    entry = (now, next(self._pushes), lp, self.lstamp[lp])
+                    self.lru_large[self.part[s]].push(entry)
 
     def forget_request(self, req: RequestId) -> None:
         """The request is gone: its large pages' empty pages serve anyone now."""

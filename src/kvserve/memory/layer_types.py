@@ -17,16 +17,26 @@ manager), all behind KVCacheManager. Each follows Jenga's LayerProperty:
   so among equal times the longest prefixes go first (aligned rule); all pages
   of one image share one random value, so an image is evicted whole.
 
+Beyond the paper, admission by reuse likelihood (after Marconi, MLSys 2025):
+a page that leaves a window or a Mamba checkpoint taken mid-prompt can only
+ever serve a hit at a few prefix ends (the W tokens after it, the next
+checkpoint interval). It is released with a normal time only if one of the
+request's reuse points lies there (`ReusePoints`); otherwise it is cached
+with the key DEAD and goes before any page that can still serve a hit. The
+pages kept this way are stamped again when the request finishes, so a
+cached prefix's full-attention pages and its last window share one time and
+leave together.
+
 Prefix lengths `p`, `q` here are in blocks of T tokens.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from kvserve.memory.allocator import RequestId, TwoLevelAllocator
+from kvserve.memory.allocator import DEAD, RequestId, TwoLevelAllocator
 from kvserve.memory.prefix_cache import ImageInput, image_page_key
 from kvserve.memory.spec import KVSpec, LayerKind
 
@@ -47,6 +57,79 @@ class RequestKV:
     released: list[int] = field(default_factory=list)  # per spec: leading blocks let go
     pending: list[list[tuple[int, int]]] = field(default_factory=list)  # per spec
     num_hit: int = 0  # prefix tokens taken from the cache
+    prompt_len: int = 0  # tokens known at add_request
+    # eviction key of everything it releases, instead of the step (ReusePoints.lost_key)
+    key: int | None = None
+    # per spec: (page, hash) released early but kept for a reuse point; stamped at finish
+    kept: list[list[tuple[int, Hashable]]] = field(default_factory=list)
+
+
+class ReusePoints:
+    """Prefix ends (in blocks) where a cached prefix is likely to be hit again.
+
+    A request's reuse points are the end region of its prompt (the next turn
+    or a repeated question extends it), its sequence end (the pages it holds
+    at finish) and the marks: block hashes where a lookup found a hit, or
+    found that the full-attention cache held a longer prefix than the other
+    layer types could serve (a divergence point: another request shares the
+    prefix up to there). A mark makes the next request that prefills
+    through the point keep the pages a hit there needs (speculative
+    insertion), so the request after it hits. Marks are few (one or two per
+    lookup); the oldest are dropped past `limit`.
+    """
+
+    SAMPLE = 64  # blocks between the prefix hashes remembered at finish
+
+    def __init__(self, block: int, limit: int = 1 << 16) -> None:
+        self.T = block
+        self.limit = limit
+        self.marks: dict[Hashable, None] = {}
+        # Prefixes finished requests had (blocks 1, 2, 4, .. SAMPLE/2, every SAMPLE-th
+        # and the sequence end, so any prefix has one at least half as long) -> their
+        # eviction key then; cached or not.
+        self.seen: dict[Hashable, int] = {}
+
+    def remember(self, r: RequestKV, key: int) -> None:
+        hashes, seen = r.hashes, self.seen
+        n = min(len(hashes), r.num_computed // self.T)  # blocks whose KV was written
+        short = [1 << i for i in range(self.SAMPLE.bit_length() - 1) if 1 << i < n]
+        for e in [*short, *range(self.SAMPLE, n, self.SAMPLE), n]:
+            if e:
+                seen.pop(hashes[e - 1], None)
+                seen[hashes[e - 1]] = key
+        while len(seen) > 2 * self.limit:
+            del seen[next(iter(seen))]
+
+    def lost_key(self, r: RequestKV, p: int, q: int) -> int | None:
+        """For a request whose longer prefix was cached once and is gone: that use's key.
+
+        Its reuse distance was longer than the pool could hold, so caching it
+        as new would push out prefixes that still hit, and in a loop over more
+        prefixes than fit every one would miss (LRU's failure). Its pages keep
+        the key of its previous use instead: prefixes used since then stay,
+        prefixes idle for longer still go first, so the protected set follows
+        the workload (LIRS's reuse-distance idea, in LRU keys).
+        """
+        hashes, seen = r.hashes, self.seen
+        lo = max(q, p // 2)  # a lost system prompt alone says little about the request
+        keys = [seen[hashes[e - 1]] for e in range(p, lo, -1) if hashes[e - 1] in seen]
+        return max(keys) if keys else None
+
+    def mark(self, h: Hashable) -> None:
+        marks = self.marks
+        marks.pop(h, None)
+        marks[h] = None
+        if len(marks) > self.limit:
+            del marks[next(iter(marks))]
+
+    def points(self, r: RequestKV, lo: int, hi: int, margin: int) -> list[int]:
+        """Reuse points e with lo <= e <= hi (blocks, ascending); `margin` blocks
+        before the prompt's end count as its end region."""
+        hashes, marks = r.hashes, self.marks
+        end = r.prompt_len // self.T
+        hi = min(hi, len(hashes))
+        return [e for e in range(max(lo, 1), hi + 1)
+                if end - margin <= e <= end or hashes[e - 1] in marks]
 
 
 class SpecManager:
@@ -59,6 +142,7 @@ class SpecManager:
         self.spec = spec
         self.alloc = alloc
         self.T = block
+        self.reuse: ReusePoints | None = None  # None: every released page is admitted
 
     def page_size(self) -> int:
         return self.alloc.layout.page_bytes[self.s]
@@ -94,6 +178,11 @@ class SpecManager:
         raise NotImplementedError
 
     def free_all(self, r: RequestKV, now: int) -> None:
+        kept = r.kept[self.s]
+        if kept:  # pages let go early for a reuse point leave with the rest
+            hashes = self.alloc.specs[self.s].hash
+            self.alloc.touch(self.s, [p for p, h in kept if hashes[p] == h], now)
+            kept.clear()
         table = r.tables[self.s]
         # Tail first: equal times evict the longest prefix first, so this order
         # reaches the eviction queue already sorted.
@@ -190,10 +279,40 @@ class TextStream(SpecManager):
         start = r.released[self.s]
         if upto <= start:
             return
-        gone = [p for p in reversed(table[start:upto]) if p != NO_PAGE]
+        gone = table[start:upto]
         table[start:upto] = [NO_PAGE] * (upto - start)
         r.released[self.s] = upto
-        self.alloc.free(self.s, gone, now)
+        if self.reuse is None:
+            self.alloc.free(self.s, [p for p in reversed(gone) if p != NO_PAGE], now)
+            return
+        useful = self._serves_reuse_point(r, start, upto)
+        keep = [p for p, u in zip(reversed(gone), reversed(useful)) if u and p != NO_PAGE]
+        dead = [p for p, u in zip(reversed(gone), reversed(useful)) if not u and p != NO_PAGE]
+        self.alloc.free(self.s, dead, DEAD)
+        self.alloc.free(self.s, keep, now)
+        hashes = self.alloc.specs[self.s].hash
+        r.kept[self.s].extend((p, hashes[p]) for p in keep if hashes[p] is not None)
+
+    def _reach(self) -> int:
+        """Blocks before a prefix end that a hit there needs, at most."""
+        span = self.spec.window if self.spec.kind is LayerKind.SLIDING else self.spec.chunk
+        return -(-span // self.T) + 1
+
+    def _serves_reuse_point(self, r: RequestKV, start: int, upto: int) -> list[bool]:
+        """For blocks [start, upto): whether a hit at one of r's reuse points needs it.
+
+        Block b serves a hit at e iff first_block(e) <= b < e; first_block grows
+        with e, so the nearest reuse point after b decides.
+        """
+        reach = self._reach()
+        points = self.reuse.points(r, start + 1, upto + reach, reach)
+        out = [False] * (upto - start)
+        i = 0
+        for b in range(start, upto):
+            while i < len(points) and points[i] <= b:
+                i += 1
+            out[b - start] = i < len(points) and self._first_block(points[i]) <= b
+        return out
 
     def live_slots(self, r: RequestKV) -> list[tuple[object, int]]:
         T, n = self.T, r.num_alloc
@@ -259,10 +378,34 @@ class MambaState(SpecManager):
             if pos > done:
                 keep.append((pos, pid))
                 continue
+            h = None
             if pos > 0 and pos // self.T <= len(r.hashes):
-                self.alloc.insert(s, pid, r.hashes[pos // self.T - 1], pos)
-            self.alloc.free(s, [pid], now)
+                h = r.hashes[pos // self.T - 1]
+                if not self.alloc.insert(s, pid, h, pos):
+                    h = None
+            if h is None or self.reuse is None:
+                self.alloc.free(s, [pid], now)
+            elif self._serves_reuse_point(r, pos // self.T):
+                self.alloc.free(s, [pid], now)
+                r.kept[s].append((pid, h))
+            else:  # cached, but evicted first
+                self.alloc.free(s, [pid], DEAD)
         r.pending[s] = keep
+
+    def free_all(self, r: RequestKV, now: int) -> None:
+        # The sequence end is a reuse point: the checkpoint a hit there would use stays.
+        q = r.num_computed // self.T
+        q -= q % self._every()
+        if q and self.reuse is not None and q <= len(r.hashes):
+            pid = self.alloc.specs[self.s].cached.get(r.hashes[q - 1])
+            if pid is not None:
+                r.kept[self.s].append((pid, r.hashes[q - 1]))
+        super().free_all(r, now)
+
+    def _serves_reuse_point(self, r: RequestKV, e: int) -> bool:
+        """A hit at q uses the checkpoint at q - q % every: the one at e serves [e, e + every)."""
+        m = self._every()
+        return bool(self.reuse.points(r, e, e + m - 1, m))
 
     def live_slots(self, r: RequestKV) -> list[tuple[object, int]]:
         return [((r.req_id, "state"), 1)] if r.num_alloc > r.num_hit else []

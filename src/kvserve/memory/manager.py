@@ -19,9 +19,15 @@ from dataclasses import dataclass
 
 from kvserve.memory.allocator import OutOfPages, RequestId, TwoLevelAllocator
 from kvserve.memory.baselines import POLICIES, policy_layout
-from kvserve.memory.layer_types import RequestKV, SpecManager, make_spec_manager
+from kvserve.memory.layer_types import (
+    RequestKV,
+    ReusePoints,
+    SpecManager,
+    TextStream,
+    make_spec_manager,
+)
 from kvserve.memory.prefix_cache import ImageInput, extend_block_hashes
-from kvserve.memory.spec import KVSpec, Layout
+from kvserve.memory.spec import KVSpec, LayerKind, Layout
 
 
 @dataclass
@@ -97,6 +103,16 @@ class KVCacheManager:
             make_spec_manager(s, spec, self.alloc, self.T)
             for s, spec in enumerate(self.layout.specs)
         ]
+        self.reuse = ReusePoints(self.T)
+        if enable_caching:
+            for m in self.managers:
+                m.reuse = self.reuse
+        # Full-attention specs hold every block of a prefix: how far they match shows
+        # where a lookup diverges from a cached request.
+        self._full = [m for m in self.managers
+                      if isinstance(m, TextStream) and m.spec.kind is LayerKind.FULL]
+        if len(self._full) == len(self.managers):
+            self._full = []  # every spec serves what the full ones hold: no divergence
         # The model's own rules, used only to account what the tokens need.
         self._ideal_rules = [make_spec_manager(-1, spec, None, self.T) for spec in specs]
         self._members = {
@@ -129,6 +145,7 @@ class KVCacheManager:
         self.reqs[req_id] = RequestKV(
             req_id, tokens, tuple(images),
             tables=[[] for _ in range(n)], released=[0] * n, pending=[[] for _ in range(n)],
+            prompt_len=len(tokens), kept=[[] for _ in range(n)],
         )
 
     def _req(self, req_id: RequestId) -> RequestKV:
@@ -149,11 +166,23 @@ class KVCacheManager:
         q = 0
         if self.enable_caching:
             extend_block_hashes(r.hashes, r.tokens, self.T, r.images)
-            q = self._longest_common_hit(r, (len(r.tokens) - 1) // self.T)
+            p = (len(r.tokens) - 1) // self.T
+            q = self._longest_common_hit(r, p)
+            self._mark_reuse(r, p, q)
+            r.key = self.reuse.lost_key(r, p, q)
         for m in self.managers:
             m.claim_hit(r, q)
         r.num_hit = r.num_computed = r.num_alloc = q * self.T
         return r.num_hit
+
+    def _mark_reuse(self, r: RequestKV, p: int, q: int) -> None:
+        """The hit point, and a longer prefix only the full-attention pages hold, are
+        reuse points: this request keeps what a hit there needs as it prefills past."""
+        if q:
+            self.reuse.mark(r.hashes[q - 1])
+        d = min((m.longest_hit(r, p) for m in self._full), default=0)
+        if d > q:
+            self.reuse.mark(r.hashes[d - 1])
 
     def _longest_common_hit(self, r: RequestKV, p: int) -> int:
         """Intersect every spec's possible prefixes: shrink p to a fixed point."""
@@ -202,7 +231,7 @@ class KVCacheManager:
         if self.enable_caching:
             extend_block_hashes(r.hashes, r.tokens, self.T, r.images, upto=done)
             for m in self.managers:
-                m.advance(r, done, self.now)
+                m.advance(r, done, self._key(r))
         else:
             for m in self.managers:
                 m.release_inactive(r, done, self.now)
@@ -214,10 +243,16 @@ class KVCacheManager:
         if r is None:
             raise KeyError(f"unknown request {req_id!r}")
         for m in self.managers:
-            m.free_all(r, self.now)
+            m.free_all(r, self._key(r))
+        if self.enable_caching:
+            self.reuse.remember(r, self.now)
         self.alloc.forget_request(req_id)
 
     abort = finish  # an abort keeps what was computed: it is valid KV
+
+    def _key(self, r: RequestKV) -> int:
+        """Eviction key of the pages r releases now: the step, unless its prefix was lost."""
+        return self.now if r.key is None else min(r.key, self.now)
 
     def fits_alone(
         self, num_tokens: int, chunk: int, images: Sequence[ImageInput] = ()

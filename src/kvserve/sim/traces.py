@@ -188,20 +188,29 @@ def dynamic(n: int = 60, lo: int = 16_384, hi: int = 122_880, out_lo: int = 50,
 
 def arxiv_qa(articles: int = 8, questions: int = 8, article_lo: int = 8_192,
              article_hi: int = 32_768, q_lo: int = 16, q_hi: int = 64, out_lo: int = 50,
-             out_hi: int = 150, rate: float = 1.0, seed: int = 0) -> list[TraceRequest]:
-    """Fig. 17: `questions` questions about each of `articles` articles, in random order.
+             out_hi: int = 150, rate: float = 1.0, order: str = "shuffled",
+             seed: int = 0) -> list[TraceRequest]:
+    """Fig. 17: `questions` questions about each of `articles` articles.
 
-    Each prompt is the article (the shared prefix) followed by a question.
-    Article lengths are uniform in [article_lo, article_hi]: a synthetic
-    stand-in for arxiv-march-2023 full texts (we do not have the dataset).
+    Each prompt is the article (the shared prefix) followed by a question;
+    each answer is `out_lo`..`out_hi` output tokens. Article lengths are
+    uniform in [article_lo, article_hi]: a synthetic stand-in for
+    arxiv-march-2023 full texts (we do not have the dataset). `order`:
+    `shuffled` (random order) or `round_robin` (article 0, 1, ..., N-1, 0, 1,
+    ...: the longest reuse distance, where LRU caches fail first).
     """
     rng = random.Random(seed)
     lengths = [rng.randint(article_lo, article_hi) for _ in range(articles)]
-    order = [(a, q) for a in range(articles) for q in range(questions)]
-    rng.shuffle(order)
-    times = _poisson_arrivals(rng, len(order), rate)
+    if order == "round_robin":
+        pairs = [(a, q) for q in range(questions) for a in range(articles)]
+    elif order == "shuffled":
+        pairs = [(a, q) for a in range(articles) for q in range(questions)]
+        rng.shuffle(pairs)
+    else:
+        raise ValueError(f"arxiv-qa order {order!r}: expected shuffled or round_robin")
+    times = _poisson_arrivals(rng, len(pairs), rate)
     out = []
-    for (a, q), t in zip(order, times):
+    for (a, q), t in zip(pairs, times):
         plen = lengths[a] + rng.randint(q_lo, q_hi)
         out.append(TraceRequest(f"a{a}q{q}", t, rng.randint(out_lo, out_hi), plen,
                                 prefix_id=f"article-{a}", prefix_len=lengths[a]))
@@ -250,6 +259,43 @@ def sharegpt(n: int = 1000, rate: float = 2.0, max_len: int = 0,
             for i, ((prompt, out), t) in enumerate(zip(pairs, times))]
 
 
+def sharegpt_chat(sessions: int = 200, turns: int = 8, rate: float = 1.0,
+                  think: float = 20.0, max_len: int = 16_384,
+                  seed: int = 0) -> list[TraceRequest]:
+    """Multi-turn ShareGPT sessions: every turn's prompt is the whole conversation so far.
+
+    The first `sessions` conversations with at least two exchanges, up to
+    `turns` exchanges each, cut before the session would pass `max_len`
+    tokens. Sessions start as a Poisson process at `rate` per second; a
+    turn arrives `think` seconds (exponential mean) after the previous
+    one's arrival. Turn k's prompt ids are turn k-1's prompt, its answer as
+    the simulator samples it (OUTPUT_TOKEN repeated) and the new human
+    message (unique ids), so the previous turn's whole sequence can hit.
+    """
+    from kvserve.datasets.sharegpt import load_conversations
+
+    rng = random.Random(seed)
+    convs = [c for c in load_conversations() if len(c.turns) >= 4][:sessions]
+    starts = _poisson_arrivals(rng, len(convs), rate)
+    out: list[TraceRequest] = []
+    unique = UNIQUE_BASE
+    for i, (conv, t) in enumerate(zip(convs, starts)):
+        ids: list[int] = []
+        pairs = list(zip(conv.turns[0::2], conv.turns[1::2]))[:turns]
+        for k, ((_, human), (_, answer)) in enumerate(pairs):
+            n_in, n_out = _est_tokens(human), _est_tokens(answer)
+            if len(ids) + n_in + n_out > max_len:
+                break
+            unique += 1
+            ids = ids + [unique] + list(range(len(ids) + 1, len(ids) + n_in))
+            out.append(TraceRequest(f"c{i}t{k}", t, n_out, prompt_ids=ids,
+                                    prefix_id=f"chat-{i}", prefix_len=0))
+            ids = ids + [OUTPUT_TOKEN] * n_out
+            t += rng.expovariate(1 / think) if think > 0 else 0.0
+    out.sort(key=lambda r: r.arrival)
+    return out
+
+
 def _est_tokens(text: str) -> int:
     return max(1, math.ceil(len(text) / 4))
 
@@ -263,6 +309,7 @@ GENERATORS: dict[str, Callable[..., list[TraceRequest]]] = {
     "arxiv-qa": arxiv_qa,
     "mmmu": mmmu,
     "sharegpt": sharegpt,
+    "sharegpt-chat": sharegpt_chat,
 }
 
 

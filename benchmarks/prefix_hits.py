@@ -1,0 +1,87 @@
+"""Prefix hit rates of jenga and uniform paging next to the trace's upper bounds.
+
+    python benchmarks/prefix_hits.py arxiv --model gemma-3-12b
+    python benchmarks/prefix_hits.py arxiv --model jamba-1.5-mini --max-model-len 65536
+    python benchmarks/prefix_hits.py chat --model gemma-3-12b --gpu-utilization 0.5
+
+Each row replays one trace through the simulator (real memory core and
+scheduler) per policy, and computes the infinite-pool bound and Belady's
+offline bound for jenga's pool (kvserve.sim.bounds). `vs bound` is jenga's
+hit rate over the lower of the two bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvserve.sim.bounds import belady, hit_bytes, infinite_pool
+from kvserve.sim.gpus import get_gpu
+from kvserve.sim.models import get_model
+from kvserve.sim.simulator import SimConfig, Simulator
+from kvserve.sim.traces import load_trace
+
+POLICIES = ("uniform", "jenga")
+
+
+def run_point(trace_spec: str, args: argparse.Namespace) -> dict:
+    trace = load_trace(trace_spec)
+    row: dict = {"trace": trace_spec, "infinite": infinite_pool(trace, 16)}
+    for policy in POLICIES:
+        cfg = SimConfig(get_model(args.model), get_gpu(args.gpu), policy=policy,
+                        max_model_len=args.max_model_len,
+                        gpu_utilization=args.gpu_utilization, mem_every=1 << 30)
+        sim = Simulator(cfg)
+        res = sim.run(trace)
+        row[policy] = res.hit_tokens / sum(r.prompt_len for r in trace)
+        row[f"{policy}_belady"] = belady(trace, sim.kv.pool_bytes, hit_bytes(sim.kv), 16)
+        row[f"{policy}_pool_gb"] = sim.kv.pool_bytes / 1e9
+    row["bound"] = min(row["infinite"], row["jenga_belady"])
+    return row
+
+
+def print_row(row: dict, header: bool) -> None:
+    if header:
+        print(f"{'trace':<58}{'uniform':>8}{'jenga':>8}{'ratio':>7}{'inf':>8}"
+              f"{'belady':>8}{'vs bound':>9}")
+    ratio = row["jenga"] / row["uniform"] if row["uniform"] else float("inf")
+    vs = row["jenga"] / row["bound"] if row["bound"] else 1.0
+    print(f"{row['trace']:<58}{row['uniform']:>8.1%}{row['jenga']:>8.1%}{ratio:>7.2f}"
+          f"{row['infinite']:>8.1%}{row['jenga_belady']:>8.1%}{vs:>9.1%}", flush=True)
+
+
+def traces(args: argparse.Namespace) -> list[str]:
+    if args.workload == "chat":
+        return [f"sharegpt-chat:sessions={n},rate={r}" for r in args.rates for n in args.sessions]
+    extra = f",{args.extra}" if args.extra else ""
+    return [f"arxiv-qa:articles={n},rate={r},order={o}{extra}"
+            for o in args.orders for r in args.rates for n in args.articles]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workload", choices=["arxiv", "chat"])
+    ap.add_argument("--model", default="gemma-3-12b")
+    ap.add_argument("--gpu", default="h100")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--gpu-utilization", type=float, default=0.9)
+    ap.add_argument("--articles", type=int, nargs="+", default=[2, 4, 8, 12, 16, 32, 64])
+    ap.add_argument("--orders", nargs="+", default=["round_robin", "shuffled"])
+    ap.add_argument("--rates", type=float, nargs="+", default=[1.0, 4.0])
+    ap.add_argument("--sessions", type=int, nargs="+", default=[100, 200, 400])
+    ap.add_argument("--extra", default="", help="more generator options, key=value,...")
+    ap.add_argument("--json", help="append one JSON object per row to this file")
+    args = ap.parse_args()
+    for i, spec in enumerate(traces(args)):
+        row = run_point(spec, args)
+        print_row(row, header=i == 0)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps({"model": args.model, **row}) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

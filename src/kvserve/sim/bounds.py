@@ -1,0 +1,114 @@
+"""Upper bounds on the prefix hit rate of a trace, for judging an eviction policy.
+
+- `infinite_pool`: every block any earlier request computed is still
+  cached. No policy can hit more (with requests admitted in arrival order).
+- `belady`: a pool of the policy's own size, holding nothing but cache
+  (running requests take no room), and an offline clairvoyant keeping whole
+  prefix units: each request's `prefix_id` names a unit, and between two
+  requests of a unit the cache may hold what the second one can hit, at the
+  bytes the policy's layout needs for that hit. On a miss the unit is
+  cached if it is reused sooner than some cached unit; units reused furthest
+  in the future (or never) are evicted first (Belady's MIN, with bypass).
+  With units of different sizes MIN is a heuristic rather than a proof, but
+  with no running requests and no timing it is the ceiling we compare to.
+
+Both count as the simulator does: hit tokens over prompt tokens at each
+request's first lookup, a hit of at most (prompt_len - 1) // T blocks.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+
+from kvserve.memory import KVCacheManager, LayerKind
+from kvserve.memory.prefix_cache import extend_block_hashes
+from kvserve.sim.traces import OUTPUT_TOKEN, TokenSynth, TraceRequest
+
+
+def _hits(trace: Sequence[TraceRequest], T: int) -> list[int]:
+    """Per request (arrival order): tokens an infinite cache would serve it."""
+    synth, seen, out = TokenSynth(), set(), []
+    for tr in sorted(trace, key=lambda r: r.arrival):
+        prompt = synth.prompt_ids(tr)
+        hashes: list[int] = []
+        extend_block_hashes(hashes, prompt, T)
+        q = 0
+        for h in hashes[:(len(prompt) - 1) // T]:
+            if h not in seen:
+                break
+            q += 1
+        out.append(q * T)
+        # The KV of the prompt and every output token but the last is computed.
+        seq = prompt + [OUTPUT_TOKEN] * (tr.output_len - 1)
+        extend_block_hashes(hashes, seq, T)
+        seen.update(hashes)
+    return out
+
+
+def infinite_pool(trace: Sequence[TraceRequest], T: int = 16) -> float:
+    """The hit rate with an unbounded cache."""
+    ordered = sorted(trace, key=lambda r: r.arrival)
+    total = sum(r.prompt_len for r in ordered)
+    return sum(_hits(ordered, T)) / total if total else 0.0
+
+
+def hit_bytes(kv: KVCacheManager) -> Callable[[int], int]:
+    """Bytes the manager's layout holds so that a prefix of n tokens hits in every spec."""
+    T = kv.T
+
+    def size(n: int) -> int:
+        total = 0
+        for m in kv.managers:
+            spec, pages = m.spec, -(-n // T)
+            if spec.kind is LayerKind.SLIDING:
+                pages = min(pages, -(-spec.window // T) + 1)
+            elif spec.kind is LayerKind.CHUNKED:
+                pages = min(pages, spec.chunk // T + 1)
+            elif spec.kind is LayerKind.MAMBA:
+                pages = 1
+            elif spec.kind is not LayerKind.FULL:
+                pages = 0  # image pages: not part of a text prefix
+            total += pages * kv.layout.page_bytes[m.s]
+        return total
+
+    return size
+
+
+def belady(trace: Sequence[TraceRequest], capacity: int, size: Callable[[int], int],
+           T: int = 16) -> float:
+    """The hit rate of offline MIN over prefix units in `capacity` bytes (see module doc)."""
+    ordered = sorted(trace, key=lambda r: r.arrival)
+    hits = _hits(ordered, T)
+    nxt: list[int] = [len(ordered)] * len(ordered)  # next request of the same unit
+    last: dict[str, int] = {}
+    for i, tr in enumerate(ordered):
+        if tr.prefix_id is not None:
+            if tr.prefix_id in last:
+                nxt[last[tr.prefix_id]] = i
+            last[tr.prefix_id] = i
+    cached: dict[str, tuple[int, int]] = {}  # unit -> (next use, bytes)
+    heap: list[tuple[int, str]] = []  # (-next use, unit), stale entries skipped
+    used = got = 0
+    for i, tr in enumerate(ordered):
+        u = tr.prefix_id
+        if u is None:
+            continue
+        if u in cached:
+            got += hits[i]
+            used -= cached.pop(u)[1]
+        j = nxt[i]
+        if j == len(ordered):
+            continue
+        need = size(hits[j])
+        if need > capacity:
+            continue
+        cached[u] = (j, need)
+        used += need
+        heapq.heappush(heap, (-j, u))
+        while used > capacity:
+            neg, v = heapq.heappop(heap)
+            if cached.get(v, (None,))[0] == -neg:
+                used -= cached.pop(v)[1]
+    total = sum(r.prompt_len for r in ordered)
+    return got / total if total else 0.0
