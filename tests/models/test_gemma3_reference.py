@@ -160,7 +160,7 @@ def test_second_load_comes_from_cache(
         kv.state_dict["model.layers.3.mlp.down_proj.weight"],
     )
     assert elapsed < 20, f"cached load took {elapsed:.1f}s"
-    entry = loader_mod.default_cache_dir() / _sha256(gguf_path)
+    entry = loader_mod.default_cache_dir() / f"{_sha256(gguf_path)}-v{loader_mod.CACHE_FORMAT}"
     assert (entry / "model.safetensors").is_file()
     assert (entry / "tokenizer" / "tokenizer.json").is_file()
 

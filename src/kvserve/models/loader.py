@@ -1,7 +1,7 @@
 """Load model weights, config and tokenizer from a GGUF file or a Hugging Face directory.
 
 A GGUF file is converted once (dequantised to float32, renamed to HF-style parameter names,
-tokenizer rebuilt from its metadata) into ``<cache>/kvserve/<sha256 of the file>/`` so later
+tokenizer rebuilt from its metadata) into ``<cache>/kvserve/<sha256>-v<format>/`` so later
 starts only memory-map a safetensors file. Nothing is fetched from the network.
 """
 
@@ -111,7 +111,9 @@ def file_sha256(path: Path) -> str:
 
 def _gguf_cache_entry(gguf_path: Path, cache_root: Path) -> Path:
     """The file's converted entry, converting it first if there is none yet."""
-    entry = cache_root / file_sha256(gguf_path)
+    # The format in the name: two kvserve versions sharing a cache each keep their own
+    # entry instead of converting the file over each other's.
+    entry = cache_root / f"{file_sha256(gguf_path)}-v{CACHE_FORMAT}"
     if not _cache_complete(entry):
         _convert_gguf_to_cache(gguf_path, entry)
     return entry
