@@ -122,11 +122,18 @@ class ReusePoints:
         if len(marks) > self.limit:
             del marks[next(iter(marks))]
 
-    def points(self, r: RequestKV, lo: int, hi: int, margin: int) -> list[int]:
+    # Tokens before the prompt's end that count as its end region: a question or an
+    # instruction after a shared document usually fits; a longer one is found as a
+    # divergence by the next lookup.
+    PROMPT_TAIL = 256
+
+    def points(self, r: RequestKV, lo: int, hi: int, margin: int | None = None) -> list[int]:
         """Reuse points e with lo <= e <= hi (blocks, ascending); `margin` blocks
-        before the prompt's end count as its end region."""
+        (default PROMPT_TAIL tokens) before the prompt's end count as its end region."""
         hashes, marks = r.hashes, self.marks
         end = r.prompt_len // self.T
+        if margin is None:
+            margin = self.PROMPT_TAIL // self.T
         hi = min(hi, len(hashes))
         return [e for e in range(max(lo, 1), hi + 1)
                 if end - margin <= e <= end or hashes[e - 1] in marks]
@@ -305,7 +312,7 @@ class TextStream(SpecManager):
         with e, so the nearest reuse point after b decides.
         """
         reach = self._reach()
-        points = self.reuse.points(r, start + 1, upto + reach, reach)
+        points = self.reuse.points(r, start + 1, upto + reach)
         out = [False] * (upto - start)
         i = 0
         for b in range(start, upto):
