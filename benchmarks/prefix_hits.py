@@ -29,7 +29,9 @@ def run_point(trace_spec: str, args: argparse.Namespace) -> dict:
     trace = load_trace(trace_spec)
     row: dict = {"trace": trace_spec, "infinite": infinite_pool(trace, 16)}
     for policy in POLICIES:
-        cfg = SimConfig(get_model(args.model), get_gpu(args.gpu), policy=policy,
+        model = get_model(args.model)
+        cfg = SimConfig(model, get_gpu(args.gpu), policy=policy,
+                        fp8_weights=args.gpu in model.fp8_gpus,  # the paper's Table 1
                         max_model_len=args.max_model_len,
                         gpu_utilization=args.gpu_utilization, mem_every=1 << 30)
         sim = Simulator(cfg)

@@ -32,9 +32,11 @@ def questions(kv):
     assert len(ids) > 3 * DOC + 1
     docs = [ids[:1] + ids[1 + DOC * d: DOC * (d + 1)] for d in range(3)]
     asks = ["Which town paid the most for copper wire, and in which month was it, counting "
-            "every shipment listed in the ledger above from the first line to the last?",
+            "every shipment listed in the ledger above from the first line to the very last "
+            "line of the final page?",
             "What did the last ship carry, who received the goods at the harbour, and how "
-            "much did they pay for all of it, once the harbour fees were added to the price?"]
+            "much did they pay for all of it, once the harbour fees and the taxes were added "
+            "to the price they agreed?"]
     out = []
     for k in range(2):
         ask = kv.tokenizer(f"\nQuestion {k}: {asks[k]}").input_ids[1:1 + QUESTION]
