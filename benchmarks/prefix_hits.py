@@ -36,7 +36,8 @@ def run_point(trace_spec: str, args: argparse.Namespace) -> dict:
                         gpu_utilization=args.gpu_utilization, mem_every=1 << 30)
         sim = Simulator(cfg)
         res = sim.run(trace)
-        row[policy] = res.hit_tokens / sum(r.prompt_len for r in trace)
+        # Hits at each request's first admission (re-admissions after preemption excluded).
+        row[policy] = sum(r.cached_tokens for r in res.requests) / sum(r.prompt_len for r in trace)
         row[f"{policy}_belady"] = belady(trace, sim.kv.pool_bytes, hit_bytes(sim.kv), 16)
         row[f"{policy}_pool_gb"] = sim.kv.pool_bytes / 1e9
     row["bound"] = min(row["infinite"], row["jenga_belady"])

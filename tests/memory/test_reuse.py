@@ -105,8 +105,7 @@ def test_a_divergence_found_at_lookup_makes_the_next_question_hit():
 
 def _loop(lost_key: bool, rounds: int = 5) -> list[int]:
     mgr = make(80, specs=(FULL,))  # 3 articles of 16 pages fit with a running one
-    if not lost_key:
-        mgr.reuse.lost_key = lambda r, p, q: None
+    mgr.reuse.protect = lost_key
     hits = []
     for k in range(rounds):
         got = 0
