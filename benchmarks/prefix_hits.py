@@ -29,12 +29,15 @@ def run_point(trace_spec: str, args: argparse.Namespace) -> dict:
     trace = load_trace(trace_spec)
     row: dict = {"trace": trace_spec, "infinite": infinite_pool(trace, 16)}
     for policy in POLICIES:
-        cfg = SimConfig(get_model(args.model), get_gpu(args.gpu), policy=policy,
+        model = get_model(args.model)
+        cfg = SimConfig(model, get_gpu(args.gpu), policy=policy,
+                        fp8_weights=args.gpu in model.fp8_gpus,  # the paper's Table 1
                         max_model_len=args.max_model_len,
                         gpu_utilization=args.gpu_utilization, mem_every=1 << 30)
         sim = Simulator(cfg)
         res = sim.run(trace)
-        row[policy] = res.hit_tokens / sum(r.prompt_len for r in trace)
+        # Hits at each request's first admission (re-admissions after preemption excluded).
+        row[policy] = sum(r.cached_tokens for r in res.requests) / sum(r.prompt_len for r in trace)
         row[f"{policy}_belady"] = belady(trace, sim.kv.pool_bytes, hit_bytes(sim.kv), 16)
         row[f"{policy}_pool_gb"] = sim.kv.pool_bytes / 1e9
     row["bound"] = min(row["infinite"], row["jenga_belady"])

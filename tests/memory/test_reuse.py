@@ -20,6 +20,7 @@ PAGE = T * 8
 def make(pages: int, specs=(FULL, SWA)) -> KVCacheManager:
     mgr = KVCacheManager(list(specs), PAGE * pages, tokens_per_page=T)
     assert mgr.layout.pages_per_large == (1,) * len(specs)
+    mgr.reuse.PROMPT_TAIL = 5 * T  # the prompt's end region: its last 5 blocks
     return mgr
 
 
@@ -65,7 +66,7 @@ def test_out_of_window_pages_far_from_the_prompt_end_are_dead():
     serve(mgr, "a", ARTICLE + [500 + i for i in range(40)])  # prompt: 26 blocks
     swa = mgr.alloc.specs[1]
     by_block = {swa.plen[p] // T - 1: swa.last[p] for p, h in enumerate(swa.hash) if h}
-    # A hit at the prompt's end region (blocks 21..26) needs blocks >= 17; earlier dead.
+    # A hit in the prompt's end region (blocks 21..26) needs blocks >= 17; earlier dead.
     assert all(by_block[b] == DEAD for b in range(17))
     assert {by_block[b] for b in range(17, 26)} == {mgr.now}  # stamped at finish
 
@@ -104,8 +105,7 @@ def test_a_divergence_found_at_lookup_makes_the_next_question_hit():
 
 def _loop(lost_key: bool, rounds: int = 5) -> list[int]:
     mgr = make(80, specs=(FULL,))  # 3 articles of 16 pages fit with a running one
-    if not lost_key:
-        mgr.reuse.lost_key = lambda r, p, q: None
+    mgr.reuse.protect = lost_key
     hits = []
     for k in range(rounds):
         got = 0

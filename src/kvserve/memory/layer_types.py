@@ -88,6 +88,8 @@ class ReusePoints:
         # and the sequence end, so any prefix has one at least half as long) -> their
         # eviction key then; cached or not.
         self.seen: dict[Hashable, int] = {}
+        self.duel = 0  # > 0: the lost-key leaders lose more prefixes than LRU's
+        self.protect: bool | None = None  # fixes the lost-key rule on or off (tests)
 
     def remember(self, r: RequestKV, key: int) -> None:
         hashes, seen = r.hashes, self.seen
@@ -109,11 +111,27 @@ class ReusePoints:
         the key of its previous use instead: prefixes used since then stay,
         prefixes idle for longer still go first, so the protected set follows
         the workload (LIRS's reuse-distance idea, in LRU keys).
+
+        When reuse distances are random (chat sessions with think times), one
+        long gap says little about the next and plain LRU does better, so the
+        rule is chosen by set dueling (Qureshi et al., ISCA 2007): prefixes in
+        one eighth of the hash space always use it, another eighth never, and
+        the others follow whichever eighth loses fewer prefixes.
         """
         hashes, seen = r.hashes, self.seen
         lo = max(q, p // 2)  # a lost system prompt alone says little about the request
-        keys = [seen[hashes[e - 1]] for e in range(p, lo, -1) if hashes[e - 1] in seen]
-        return max(keys) if keys else None
+        for e in range(p, lo, -1):
+            key = seen.get(hashes[e - 1])
+            if key is not None:
+                break
+        else:
+            return None
+        group = hash(hashes[e - 1]) % 8
+        if group < 2:  # a leader lost a prefix: count it against its rule
+            self.duel = max(-64, min(64, self.duel + (1 if group else -1)))
+        use = self.protect if self.protect is not None else (
+            group == 1 or (group != 0 and self.duel < 0))
+        return key if use else None
 
     def mark(self, h: Hashable) -> None:
         marks = self.marks
@@ -122,11 +140,18 @@ class ReusePoints:
         if len(marks) > self.limit:
             del marks[next(iter(marks))]
 
-    def points(self, r: RequestKV, lo: int, hi: int, margin: int) -> list[int]:
+    # Tokens before the prompt's end that count as its end region: a question or an
+    # instruction after a shared document usually fits; a longer one is found as a
+    # divergence by the next lookup.
+    PROMPT_TAIL = 256
+
+    def points(self, r: RequestKV, lo: int, hi: int, margin: int | None = None) -> list[int]:
         """Reuse points e with lo <= e <= hi (blocks, ascending); `margin` blocks
-        before the prompt's end count as its end region."""
+        (default PROMPT_TAIL tokens) before the prompt's end count as its end region."""
         hashes, marks = r.hashes, self.marks
         end = r.prompt_len // self.T
+        if margin is None:
+            margin = self.PROMPT_TAIL // self.T
         hi = min(hi, len(hashes))
         return [e for e in range(max(lo, 1), hi + 1)
                 if end - margin <= e <= end or hashes[e - 1] in marks]
@@ -305,7 +330,7 @@ class TextStream(SpecManager):
         with e, so the nearest reuse point after b decides.
         """
         reach = self._reach()
-        points = self.reuse.points(r, start + 1, upto + reach, reach)
+        points = self.reuse.points(r, start + 1, upto + reach)
         out = [False] * (upto - start)
         i = 0
         for b in range(start, upto):
