@@ -166,3 +166,82 @@ def _evictable(mgr: KVCacheManager) -> dict:
     """(spec, hash) -> eviction key of every cached page no request uses."""
     return {(s, h): sp.last[p] for s, sp in enumerate(mgr.alloc.specs)
             for h, p in sp.cached.items() if sp.ref[p] == 0}
+
+
+def _running(mgr: KVCacheManager, rid, tokens: list[int]) -> None:
+    """Prefill `tokens` in one step and decode two tokens; the request keeps running."""
+    tokens = list(tokens)
+    mgr.begin_step()
+    mgr.add_request(rid, tokens)
+    assert mgr.lookup(rid) == 0
+    assert mgr.allocate_slots(rid, len(tokens))
+    mgr.advance(rid, len(tokens))
+    for i in range(2):
+        mgr.begin_step()
+        tokens.append(900 + i)
+        mgr.reqs[rid].tokens = tokens
+        assert mgr.allocate_slots(rid, 1)
+        mgr.advance(rid, 1)
+
+
+def _spare(mgr: KVCacheManager) -> int:
+    """Pages a new request can get: free ones and cached ones nobody holds."""
+    return mgr.alloc.num_free_large() + sum(sp.n_evictable for sp in mgr.alloc.specs)
+
+
+def _admit(mgr: KVCacheManager, rid, pages: int) -> bool:
+    tokens = [20_000 + 100 * len(mgr.reqs) + i for i in range(pages // 2 * T)]
+    mgr.begin_step()
+    mgr.add_request(rid, tokens)
+    mgr.lookup(rid)
+    if mgr.allocate_slots(rid, len(tokens)):
+        return True
+    mgr.abort(rid)
+    return False
+
+
+PROMPT = ARTICLE + [500 + i for i in range(40)]  # 26 blocks; end region: blocks 21..26
+
+
+def test_new_requests_cannot_evict_a_running_requests_window():
+    # The window a hit at the prompt's end region needs has left the running
+    # request's attention, but it holds it like its full-attention pages: an
+    # admission that would need those pages waits instead of splitting the prefix.
+    mgr = make(120)
+    _running(mgr, "a", PROMPT)
+    held = len(mgr.reqs["a"].held[1])
+    assert held >= 4  # blocks 17..20, out of the window a query at 106 reads
+    spare = _spare(mgr)
+    assert not _admit(mgr, "big", spare + 2)
+    assert _admit(mgr, "fits", spare)
+    # A question that shares the article and 20 tokens of the first question hits
+    # its whole common prefix (21 blocks): the sliding spec needs blocks 17..20.
+    mgr.add_request("q", PROMPT[:84] + [7] * 8)
+    assert mgr.lookup("q") == 84
+    check_invariants(mgr)
+
+
+def test_a_running_request_takes_held_pages_back_when_memory_runs_out():
+    mgr = make(120)
+    _running(mgr, "a", PROMPT)
+    held = len(mgr.reqs["a"].held[1])
+    assert _admit(mgr, "fill", _spare(mgr))
+    # "fill" (admitted, not yet computed) asks for two blocks more: with nothing free
+    # or evictable, a running request may take the pages others hold.
+    mgr.begin_step()
+    mgr.reqs["fill"].tokens.extend([1] * 2 * T)
+    assert mgr.allocate_slots("fill", len(mgr.reqs["fill"].tokens))
+    assert mgr.reqs["a"].held[1] == []
+    check_invariants(mgr)
+    # When even the held pages are not enough, nothing changes.
+    mgr2 = make(120)
+    _running(mgr2, "a", PROMPT)
+    assert _admit(mgr2, "fill", _spare(mgr2))
+    before = [list(sp.ref) for sp in mgr2.alloc.specs]
+    mgr2.begin_step()
+    r = mgr2.reqs["fill"]
+    r.tokens.extend([1] * (held + 8) * T)
+    assert not mgr2.allocate_slots("fill", len(r.tokens))
+    assert [list(sp.ref) for sp in mgr2.alloc.specs] == before
+    assert len(mgr2.reqs["a"].held[1]) == held
+    check_invariants(mgr2)

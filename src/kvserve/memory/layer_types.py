@@ -20,12 +20,14 @@ manager), all behind KVCacheManager. Each follows Jenga's LayerProperty:
 Beyond the paper, admission by reuse likelihood (after Marconi, MLSys 2025):
 a page that leaves a window or a Mamba checkpoint taken mid-prompt can only
 ever serve a hit at a few prefix ends (the W tokens after it, the next
-checkpoint interval). It is released with a normal time only if one of the
-request's reuse points lies there (`ReusePoints`); otherwise it is cached
-with the key DEAD and goes before any page that can still serve a hit. The
-pages kept this way are stamped again when the request finishes, so a
-cached prefix's full-attention pages and its last window share one time and
-leave together.
+checkpoint interval). If one of the request's reuse points lies there
+(`ReusePoints`), the request keeps holding it until it finishes, as it holds
+its full-attention pages: a prefix is one unit, so a running request's
+prefix stays servable in every spec (new requests cannot evict half of
+it), and at finish its full-attention pages and its last window get one
+time and leave together. Otherwise it is cached with the key DEAD and goes
+before any page that can still serve a hit. Held pages are given up early
+only when a running request would otherwise run out of memory.
 
 Prefix lengths `p`, `q` here are in blocks of T tokens.
 """
@@ -60,8 +62,11 @@ class RequestKV:
     prompt_len: int = 0  # tokens known at add_request
     # eviction key of everything it releases, instead of the step (ReusePoints.lost_key)
     key: int | None = None
-    # per spec: (page, hash) released early but kept for a reuse point; stamped at finish
+    # per spec: (page, hash) of cached pages a reuse point needs; stamped at finish
     kept: list[list[tuple[int, Hashable]]] = field(default_factory=list)
+    # per spec: pages out of the window or checkpoints a reuse point needs, still
+    # referenced by the request; freed at finish with the rest
+    held: list[list[int]] = field(default_factory=list)
 
 
 class ReusePoints:
@@ -213,9 +218,17 @@ class SpecManager:
         # reaches the eviction queue already sorted.
         self.alloc.free(self.s, [p for p in reversed(table) if p != NO_PAGE], now)
         table.clear()
+        self.drop_held(r, now)
         for _, pid in r.pending[self.s]:
             self.alloc.free(self.s, [pid], now)
         r.pending[self.s].clear()
+
+    def drop_held(self, r: RequestKV, now: int) -> None:
+        """Let go of the pages r holds only for its reuse points (they stay cached)."""
+        held = r.held[self.s]
+        if held:
+            self.alloc.free(self.s, held[::-1], now)
+            held.clear()
 
     def live_slots(self, r: RequestKV) -> list[tuple[object, int]]:
         """(key, slots) of the tokens this request needs now; shared blocks share a key.
@@ -314,9 +327,10 @@ class TextStream(SpecManager):
         keep = [p for p, u in zip(reversed(gone), reversed(useful)) if u and p != NO_PAGE]
         dead = [p for p, u in zip(reversed(gone), reversed(useful)) if not u and p != NO_PAGE]
         self.alloc.free(self.s, dead, DEAD)
-        self.alloc.free(self.s, keep, now)
         hashes = self.alloc.specs[self.s].hash
-        r.kept[self.s].extend((p, hashes[p]) for p in keep if hashes[p] is not None)
+        # Uncached pages (a block another page already caches) serve no hit: let go.
+        self.alloc.free(self.s, [p for p in keep if hashes[p] is None], now)
+        r.held[self.s].extend(p for p in reversed(keep) if hashes[p] is not None)
 
     def _reach(self) -> int:
         """Blocks before a prefix end that a hit there needs, at most."""
@@ -411,8 +425,7 @@ class MambaState(SpecManager):
             if h is None or self.reuse is None:
                 self.alloc.free(s, [pid], now)
             elif self._serves_reuse_point(r, pos // self.T):
-                self.alloc.free(s, [pid], now)
-                r.kept[s].append((pid, h))
+                r.held[s].append(pid)
             else:  # cached, but evicted first
                 self.alloc.free(s, [pid], DEAD)
         r.pending[s] = keep

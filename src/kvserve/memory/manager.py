@@ -145,7 +145,7 @@ class KVCacheManager:
         self.reqs[req_id] = RequestKV(
             req_id, tokens, tuple(images),
             tables=[[] for _ in range(n)], released=[0] * n, pending=[[] for _ in range(n)],
-            prompt_len=len(tokens), kept=[[] for _ in range(n)],
+            prompt_len=len(tokens), kept=[[] for _ in range(n)], held=[[] for _ in range(n)],
         )
 
     def _req(self, req_id: RequestId) -> RequestKV:
@@ -209,6 +209,16 @@ class KVCacheManager:
         try:
             pages = self.alloc.allocate(req_id, needs)
         except OutOfPages:
+            # A running request may take what others hold for their reuse points; a
+            # new one waits for it, so admissions never split a running prefix.
+            if r.num_alloc == r.num_hit:
+                return False
+            dropped = self._drop_held()
+            if dropped and self.allocate_slots(req_id, num_new_tokens):
+                return True
+            for other, s, pids in dropped:  # still short: nothing changes after all
+                self.alloc.claim(s, pids)
+                other.held[s] = pids
             return False
         for m, pids in zip(self.managers, pages):
             m.install(r, pids, upto)
@@ -249,6 +259,16 @@ class KVCacheManager:
         self.alloc.forget_request(req_id)
 
     abort = finish  # an abort keeps what was computed: it is valid KV
+
+    def _drop_held(self) -> list[tuple[RequestKV, int, list[int]]]:
+        """Every request lets go of its held pages (they stay cached); what was let go."""
+        dropped = []
+        for r in self.reqs.values():
+            for m in self.managers:
+                if r.held[m.s]:
+                    dropped.append((r, m.s, list(r.held[m.s])))
+                    m.drop_held(r, self._key(r))
+        return dropped
 
     def _key(self, r: RequestKV) -> int:
         """Eviction key of the pages r releases now: the step, unless its prefix was lost."""
@@ -291,9 +311,12 @@ class KVCacheManager:
             # Empty pages of large pages that only hold cache come back whole when
             # the large page is evicted: count them as reclaimable, not as waste.
             idle = sp.n_idle_empty
-            used, empty = sp.n_used * pb, (sp.n_empty - idle) * pb
-            out.append(SpecStats(m.spec.name, pb, used, (sp.n_evictable + idle) * pb, empty,
-                                 need, used + empty - need))
+            # Pages held only for a reuse point are cache that running requests can
+            # take back (_drop_held): count them as evictable, not as used.
+            held = sum(1 for r in self.reqs.values() for p in r.held[m.s] if sp.ref[p] == 1)
+            used, empty = (sp.n_used - held) * pb, (sp.n_empty - idle) * pb
+            out.append(SpecStats(m.spec.name, pb, used, (sp.n_evictable + idle + held) * pb,
+                                 empty, need, used + empty - need))
         free = self.alloc.num_free_large() * self.layout.large_page_bytes
         return Stats(self.policy, self.pool_bytes, free, out, self.queried_tokens, self.hit_tokens)
 
