@@ -226,8 +226,9 @@ class SpecManager:
     def drop_held(self, r: RequestKV, now: int) -> None:
         """Let go of the pages r holds only for its reuse points (they stay cached)."""
         held = r.held[self.s]
-        if held:
-            self.alloc.free(self.s, held[::-1], now)
+        if held:  # longest prefix first, as free_all's order (aligned rule)
+            plen = self.alloc.specs[self.s].plen
+            self.alloc.free(self.s, sorted(held, key=plen.__getitem__, reverse=True), now)
             held.clear()
 
     def live_slots(self, r: RequestKV) -> list[tuple[object, int]]:
@@ -330,7 +331,7 @@ class TextStream(SpecManager):
         hashes = self.alloc.specs[self.s].hash
         # Uncached pages (a block another page already caches) serve no hit: let go.
         self.alloc.free(self.s, [p for p in keep if hashes[p] is None], now)
-        r.held[self.s].extend(p for p in reversed(keep) if hashes[p] is not None)
+        r.held[self.s].extend(p for p in keep if hashes[p] is not None)
 
     def _reach(self) -> int:
         """Blocks before a prefix end that a hit there needs, at most."""
