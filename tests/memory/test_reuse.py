@@ -10,6 +10,8 @@ from invariants import check_invariants
 
 from kvserve.memory import KVCacheManager, KVSpec, LayerKind
 from kvserve.memory.allocator import DEAD
+from kvserve.memory.layer_types import RequestKV, ReusePoints
+from kvserve.memory.prefix_cache import extend_block_hashes
 
 T = 4
 FULL = KVSpec("full", LayerKind.FULL, 1, 8)
@@ -119,6 +121,29 @@ def _loop(lost_key: bool, rounds: int = 5) -> list[int]:
 def test_a_loop_over_more_prefixes_than_fit_keeps_a_set_hitting():
     assert _loop(lost_key=False)[1:] == [0, 0, 0, 0]  # LRU: every request misses
     assert min(_loop(lost_key=True)[2:]) >= 2
+    # Left to itself the rule starts once each prefix was lost twice at regular gaps.
+    assert min(_loop(lost_key=None, rounds=6)[3:]) >= 2
+
+
+def test_a_prefix_lost_after_irregular_gaps_stays_under_lru():
+    reuse = ReusePoints(T)
+    reuse.FRESH = 0
+    tokens = list(range(1, 66))
+    hashes: list = []
+    extend_block_hashes(hashes, tokens, T, ())
+
+    def lookup_at(now: int, rid) -> int | None:
+        """A request of the same prompt looks up at step `now`, the prompt lost."""
+        r = RequestKV(rid, tokens, (), hashes=list(hashes), num_computed=len(tokens))
+        key = reuse.lost_key(r, len(hashes), 0, now)
+        reuse.remember(r, now)
+        return key
+
+    assert lookup_at(100, "first") is None  # never seen
+    assert lookup_at(200, "gap 100") is None  # lost once: LRU's chance
+    assert lookup_at(300, "gap 100 again") == 200  # regular: its last use's key
+    assert lookup_at(600, "gap 300") is None  # 3x the last gap: random, not a loop
+    assert lookup_at(1100, "gap 500") == 600  # within 2x of 300
 
 
 @st.composite

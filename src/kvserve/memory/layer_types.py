@@ -62,6 +62,7 @@ class RequestKV:
     prompt_len: int = 0  # tokens known at add_request
     # eviction key of everything it releases, instead of the step (ReusePoints.lost_key)
     key: int | None = None
+    lost_gap: int = 0  # steps since a longer prefix of it, cached once and gone, was used
     # per spec: (page, hash) of cached pages a reuse point needs; stamped at finish
     kept: list[list[tuple[int, Hashable]]] = field(default_factory=list)
     # per spec: pages out of the window or checkpoints a reuse point needs, still
@@ -84,6 +85,7 @@ class ReusePoints:
     """
 
     SAMPLE = 64  # blocks between the prefix hashes remembered at finish
+    FRESH = 1 / 8  # lost prefixes cached as new anyway, so a protected set can form
 
     def __init__(self, block: int, limit: int = 1 << 16) -> None:
         self.T = block
@@ -91,10 +93,11 @@ class ReusePoints:
         self.marks: dict[Hashable, None] = {}
         # Prefixes finished requests had (blocks 1, 2, 4, .. SAMPLE/2, every SAMPLE-th
         # and the sequence end, so any prefix has one at least half as long) -> their
-        # eviction key then; cached or not.
-        self.seen: dict[Hashable, int] = {}
-        self.duel = 0  # > 0: the lost-key leaders lose more prefixes than LRU's
+        # eviction key then, and the gap after which that request had found it lost
+        # (0: it had not); cached or not.
+        self.seen: dict[Hashable, tuple[int, int]] = {}
         self.protect: bool | None = None  # fixes the lost-key rule on or off (tests)
+        self.rng = random.Random(0)
 
     def remember(self, r: RequestKV, key: int) -> None:
         hashes, seen = r.hashes, self.seen
@@ -103,11 +106,11 @@ class ReusePoints:
         for e in [*short, *range(self.SAMPLE, n, self.SAMPLE), n]:
             if e:
                 seen.pop(hashes[e - 1], None)
-                seen[hashes[e - 1]] = key
+                seen[hashes[e - 1]] = (key, r.lost_gap)
         while len(seen) > 2 * self.limit:
             del seen[next(iter(seen))]
 
-    def lost_key(self, r: RequestKV, p: int, q: int) -> int | None:
+    def lost_key(self, r: RequestKV, p: int, q: int, now: int) -> int | None:
         """For a request whose longer prefix was cached once and is gone: that use's key.
 
         Its reuse distance was longer than the pool could hold, so caching it
@@ -118,25 +121,32 @@ class ReusePoints:
         the workload (LIRS's reuse-distance idea, in LRU keys).
 
         When reuse distances are random (chat sessions with think times), one
-        long gap says little about the next and plain LRU does better, so the
-        rule is chosen by set dueling (Qureshi et al., ISCA 2007): prefixes in
-        one eighth of the hash space always use it, another eighth never, and
-        the others follow whichever eighth loses fewer prefixes.
+        long gap says little about the next and plain LRU does better. So the
+        rule applies only to a prefix lost twice in a row after gaps within 2x
+        of each other: in a loop every prefix is, while a session with random
+        gaps mostly still gets LRU's chance at its next, shorter one. (Set
+        dueling between prefix groups failed here: the groups share one pool,
+        so a protected group's old keys always lose to the LRU followers' new
+        ones, and the duel picked the wrong rule on loops and chat alike.)
+        A FRESH share of lost prefixes is cached as new anyway (bimodal
+        insertion, as in Qureshi et al.'s BIP): once every prefix of a loop
+        carries its last use's key, that is LRU's order again, and those few
+        form the set that hits.
         """
         hashes, seen = r.hashes, self.seen
         lo = max(q, p // 2)  # a lost system prompt alone says little about the request
         for e in range(p, lo, -1):
-            key = seen.get(hashes[e - 1])
-            if key is not None:
+            found = seen.get(hashes[e - 1])
+            if found is not None:
                 break
         else:
             return None
-        group = hash(hashes[e - 1]) % 8
-        if group < 2:  # a leader lost a prefix: count it against its rule
-            self.duel = max(-64, min(64, self.duel + (1 if group else -1)))
-        use = self.protect if self.protect is not None else (
-            group == 1 or (group != 0 and self.duel < 0))
-        return key if use else None
+        key, gap_before = found
+        gap = r.lost_gap = max(1, now - key)
+        use = self.protect if self.protect is not None else gap_before * 2 >= gap >= gap_before / 2
+        if not use or self.rng.random() < self.FRESH:
+            return None
+        return key
 
     def mark(self, h: Hashable) -> None:
         marks = self.marks

@@ -169,7 +169,7 @@ class KVCacheManager:
             p = (len(r.tokens) - 1) // self.T
             q = self._longest_common_hit(r, p)
             self._mark_reuse(r, p, q)
-            r.key = self.reuse.lost_key(r, p, q)
+            r.key = self.reuse.lost_key(r, p, q, self.now)
         for m in self.managers:
             m.claim_hit(r, q)
         r.num_hit = r.num_computed = r.num_alloc = q * self.T
