@@ -22,7 +22,7 @@ def check_invariants(mgr: KVCacheManager) -> None:
         holders = Counter()
         for r in mgr.reqs.values():
             holders.update(p for p in r.tables[s] if p >= 0)
-            holders.update(r.held[s])  # out of the window, held for a reuse point
+            holders.update(r.held.get(s, ()))  # out of the window, held for a reuse point
             holders.update(pid for pos, pid in r.pending[s] if _pending_is_page(mgr, s))
         owned = [lp for lp in range(alloc.num_large) if alloc.owner[lp] == s]
         assert len(owned) == sp.n_large

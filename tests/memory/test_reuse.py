@@ -10,7 +10,7 @@ from invariants import check_invariants
 
 from kvserve.memory import KVCacheManager, KVSpec, LayerKind
 from kvserve.memory.allocator import DEAD
-from kvserve.memory.layer_types import RequestKV, ReusePoints
+from kvserve.memory.layer_types import LOOP, RequestKV, ReusePoints
 from kvserve.memory.prefix_cache import extend_block_hashes
 
 T = 4
@@ -125,25 +125,26 @@ def test_a_loop_over_more_prefixes_than_fit_keeps_a_set_hitting():
     assert min(_loop(lost_key=None, rounds=6)[3:]) >= 2
 
 
-def test_a_prefix_lost_after_irregular_gaps_stays_under_lru():
+def test_only_prefixes_back_at_regular_gaps_count_as_a_loop():
     reuse = ReusePoints(T)
-    reuse.FRESH = 0
     tokens = list(range(1, 66))
     hashes: list = []
     extend_block_hashes(hashes, tokens, T, ())
 
-    def lookup_at(now: int, rid) -> int | None:
-        """A request of the same prompt looks up at step `now`, the prompt lost."""
-        r = RequestKV(rid, tokens, (), hashes=list(hashes), num_computed=len(tokens))
-        key = reuse.lost_key(r, len(hashes), 0, now)
+    def lookup_at(now: int, hit: int = 0) -> bool:
+        """A request of the same prompt looks up at step `now`; whether it is a loop member."""
+        r = RequestKV(now, tokens, (), hashes=list(hashes), num_computed=len(tokens))
+        key = reuse.reuse_key(r, len(hashes), hit, now)
+        assert key == (LOOP - now if r.loop else None)
         reuse.remember(r, now)
-        return key
+        return r.loop
 
-    assert lookup_at(100, "first") is None  # never seen
-    assert lookup_at(200, "gap 100") is None  # lost once: LRU's chance
-    assert lookup_at(300, "gap 100 again") == 200  # regular: its last use's key
-    assert lookup_at(600, "gap 300") is None  # 3x the last gap: random, not a loop
-    assert lookup_at(1100, "gap 500") == 600  # within 2x of 300
+    assert not lookup_at(100)  # never seen
+    assert not lookup_at(200)  # lost once: gets LRU's chance
+    assert lookup_at(300)  # lost again after the same gap: a loop
+    assert lookup_at(450, hit=16)  # a hit within 2x of the gap stays in the loop
+    assert not lookup_at(1000)  # 550 steps after a gap of 150: random reuse, LRU again
+    assert not lookup_at(1100, hit=16)  # a hit alone does not make a loop
 
 
 @st.composite
@@ -234,7 +235,7 @@ def test_new_requests_cannot_evict_a_running_requests_window():
     # admission that would need those pages waits instead of splitting the prefix.
     mgr = make(120)
     _running(mgr, "a", PROMPT)
-    held = len(mgr.reqs["a"].held[1])
+    held = len(mgr.reqs["a"].held.get(1, []))
     assert held >= 4  # blocks 17..20, out of the window a query at 106 reads
     spare = _spare(mgr)
     assert not _admit(mgr, "big", spare + 2)
@@ -249,14 +250,14 @@ def test_new_requests_cannot_evict_a_running_requests_window():
 def test_a_running_request_takes_held_pages_back_when_memory_runs_out():
     mgr = make(120)
     _running(mgr, "a", PROMPT)
-    held = len(mgr.reqs["a"].held[1])
+    held = len(mgr.reqs["a"].held.get(1, []))
     assert _admit(mgr, "fill", _spare(mgr))
     # "fill" (admitted, not yet computed) asks for two blocks more: with nothing free
     # or evictable, a running request may take the pages others hold.
     mgr.begin_step()
     mgr.reqs["fill"].tokens.extend([1] * 2 * T)
     assert mgr.allocate_slots("fill", len(mgr.reqs["fill"].tokens))
-    assert mgr.reqs["a"].held[1] == []
+    assert mgr.reqs["a"].held.get(1, []) == []
     check_invariants(mgr)
     # When even the held pages are not enough, nothing changes.
     mgr2 = make(120)
@@ -268,5 +269,5 @@ def test_a_running_request_takes_held_pages_back_when_memory_runs_out():
     r.tokens.extend([1] * (held + 8) * T)
     assert not mgr2.allocate_slots("fill", len(r.tokens))
     assert [list(sp.ref) for sp in mgr2.alloc.specs] == before
-    assert len(mgr2.reqs["a"].held[1]) == held
+    assert len(mgr2.reqs["a"].held.get(1, [])) == held
     check_invariants(mgr2)

@@ -596,6 +596,11 @@ class TwoLevelAllocator:
 
     def _became_unused(self, s: int, sp: SpecPages, lp: int) -> None:
         """No used page left, some cached: the large page can be evicted whole."""
+        k = sp.k
+        if k > 1:  # its key: the latest of its cached pages' now (keys can go down)
+            base, hashes, last = lp * k, sp.hash, sp.last
+            self.ltime[lp] = max((last[p] for p in range(base, base + k)
+                                  if hashes[p] is not None), default=DEAD)
         sp.holes.pop(lp, None)
         sp.n_unused_large += 1
         sp.n_idle_empty += self.emask[lp].bit_count()

@@ -42,6 +42,8 @@ from kvserve.memory.allocator import DEAD, RequestId, TwoLevelAllocator
 from kvserve.memory.prefix_cache import ImageInput, image_page_key
 from kvserve.memory.spec import KVSpec, LayerKind
 
+LOOP = -(1 << 61)  # keys of loop members' pages: LOOP - step, above DEAD, below any step
+
 NO_PAGE = -1
 
 
@@ -60,14 +62,15 @@ class RequestKV:
     pending: list[list[tuple[int, int]]] = field(default_factory=list)  # per spec
     num_hit: int = 0  # prefix tokens taken from the cache
     prompt_len: int = 0  # tokens known at add_request
-    # eviction key of everything it releases, instead of the step (ReusePoints.lost_key)
+    # eviction key of everything it releases, instead of the step (ReusePoints.reuse_key)
     key: int | None = None
-    lost_gap: int = 0  # steps since a longer prefix of it, cached once and gone, was used
+    gap: int = 0  # steps since its prefix was last used (0: first seen)
+    loop: bool = False  # its prefix comes back at regular gaps: ReusePoints.reuse_key
     # per spec: (page, hash) of cached pages a reuse point needs; stamped at finish
-    kept: list[list[tuple[int, Hashable]]] = field(default_factory=list)
+    kept: dict[int, list[tuple[int, Hashable]]] = field(default_factory=dict)
     # per spec: pages out of the window or checkpoints a reuse point needs, still
     # referenced by the request; freed at finish with the rest
-    held: list[list[int]] = field(default_factory=list)
+    held: dict[int, list[int]] = field(default_factory=dict)
 
 
 class ReusePoints:
@@ -85,7 +88,6 @@ class ReusePoints:
     """
 
     SAMPLE = 64  # blocks between the prefix hashes remembered at finish
-    FRESH = 1 / 8  # lost prefixes cached as new anyway, so a protected set can form
 
     def __init__(self, block: int, limit: int = 1 << 16) -> None:
         self.T = block
@@ -93,11 +95,10 @@ class ReusePoints:
         self.marks: dict[Hashable, None] = {}
         # Prefixes finished requests had (blocks 1, 2, 4, .. SAMPLE/2, every SAMPLE-th
         # and the sequence end, so any prefix has one at least half as long) -> their
-        # eviction key then, and the gap after which that request had found it lost
-        # (0: it had not); cached or not.
-        self.seen: dict[Hashable, tuple[int, int]] = {}
-        self.protect: bool | None = None  # fixes the lost-key rule on or off (tests)
-        self.rng = random.Random(0)
+        # eviction key then, the gap after which that request had come back (0: first
+        # seen) and whether it was a loop member; cached or not.
+        self.seen: dict[Hashable, tuple[int, int, bool]] = {}
+        self.protect: bool | None = None  # fixes the loop rule for lost prefixes (tests)
 
     def remember(self, r: RequestKV, key: int) -> None:
         hashes, seen = r.hashes, self.seen
@@ -106,47 +107,53 @@ class ReusePoints:
         for e in [*short, *range(self.SAMPLE, n, self.SAMPLE), n]:
             if e:
                 seen.pop(hashes[e - 1], None)
-                seen[hashes[e - 1]] = (key, r.lost_gap)
+                seen[hashes[e - 1]] = (key, r.gap, r.loop)
         while len(seen) > 2 * self.limit:
             del seen[next(iter(seen))]
 
-    def lost_key(self, r: RequestKV, p: int, q: int, now: int) -> int | None:
-        """For a request whose longer prefix was cached once and is gone: that use's key.
+    def reuse_key(self, r: RequestKV, p: int, q: int, now: int) -> int | None:
+        """The eviction key of r's pages if r belongs to a loop, else None (the step).
 
-        Its reuse distance was longer than the pool could hold, so caching it
-        as new would push out prefixes that still hit, and in a loop over more
-        prefixes than fit every one would miss (LRU's failure). Its pages keep
-        the key of its previous use instead: prefixes used since then stay,
-        prefixes idle for longer still go first, so the protected set follows
-        the workload (LIRS's reuse-distance idea, in LRU keys).
+        A loop over more prefixes than fit defeats LRU: the prefix used
+        longest ago is the next one needed, so every request misses. A prefix
+        is taken for a loop member when it comes back after a gap within 2x
+        of its previous one and either was lost (cached once, now gone) or
+        was a loop member already. Chat sessions with random think times
+        rarely pass that test, and plain LRU serves them better.
 
-        When reuse distances are random (chat sessions with think times), one
-        long gap says little about the next and plain LRU does better. So the
-        rule applies only to a prefix lost twice in a row after gaps within 2x
-        of each other: in a loop every prefix is, while a session with random
-        gaps mostly still gets LRU's chance at its next, shorter one. (Set
-        dueling between prefix groups failed here: the groups share one pool,
-        so a protected group's old keys always lose to the LRU followers' new
-        ones, and the duel picked the wrong rule on loops and chat alike.)
-        A FRESH share of lost prefixes is cached as new anyway (bimodal
-        insertion, as in Qureshi et al.'s BIP): once every prefix of a loop
-        carries its last use's key, that is LRU's order again, and those few
-        form the set that hits.
+        Loop members' pages get LOOP - now: below every step, so they leave
+        before pages of other traffic, and the latest first among themselves
+        (MRU, Belady's choice in a loop: the prefix just used is the one
+        needed furthest ahead). A miss in a loop then evicts the prefix that
+        just hit, not the one about to, and a stable set keeps hitting.
+        (Set dueling between prefix groups was tried first and dropped: the
+        groups share one pool, so a protected group's old keys always lost to
+        the other groups' new ones and the duel picked the wrong rule.)
         """
-        hashes, seen = r.hashes, self.seen
-        lo = max(q, p // 2)  # a lost system prompt alone says little about the request
-        for e in range(p, lo, -1):
+        lost = True
+        # A lost system prompt alone says little about the request: half its prompt.
+        found = self._last_use(r.hashes, p, max(q, p // 2))
+        if found is None and q:  # a hit: how its prefix was last used
+            lost = False
+            found = self._last_use(r.hashes, q, q // 2)
+        if found is None:
+            return None
+        key, gap_before, loop_before = found
+        gap = r.gap = max(1, now - key)
+        regular = gap_before * 2 >= gap >= gap_before / 2
+        r.loop = regular and (lost or loop_before)
+        if self.protect is not None:
+            r.loop = self.protect and lost
+        return LOOP - now if r.loop else None
+
+    def _last_use(self, hashes: list[int], hi: int, lo: int) -> tuple[int, int, bool] | None:
+        """What `seen` holds of the longest prefix of hi..lo+1 blocks, if any."""
+        seen = self.seen
+        for e in range(hi, lo, -1):
             found = seen.get(hashes[e - 1])
             if found is not None:
-                break
-        else:
-            return None
-        key, gap_before = found
-        gap = r.lost_gap = max(1, now - key)
-        use = self.protect if self.protect is not None else gap_before * 2 >= gap >= gap_before / 2
-        if not use or self.rng.random() < self.FRESH:
-            return None
-        return key
+                return found
+        return None
 
     def mark(self, h: Hashable) -> None:
         marks = self.marks
@@ -218,11 +225,10 @@ class SpecManager:
         raise NotImplementedError
 
     def free_all(self, r: RequestKV, now: int) -> None:
-        kept = r.kept[self.s]
+        kept = r.kept.pop(self.s, None)
         if kept:  # pages let go early for a reuse point leave with the rest
             hashes = self.alloc.specs[self.s].hash
             self.alloc.touch(self.s, [p for p, h in kept if hashes[p] == h], now)
-            kept.clear()
         table = r.tables[self.s]
         # Tail first: equal times evict the longest prefix first, so this order
         # reaches the eviction queue already sorted.
@@ -235,11 +241,10 @@ class SpecManager:
 
     def drop_held(self, r: RequestKV, now: int) -> None:
         """Let go of the pages r holds only for its reuse points (they stay cached)."""
-        held = r.held[self.s]
+        held = r.held.pop(self.s, None)
         if held:  # longest prefix first, as free_all's order (aligned rule)
             plen = self.alloc.specs[self.s].plen
             self.alloc.free(self.s, sorted(held, key=plen.__getitem__, reverse=True), now)
-            held.clear()
 
     def live_slots(self, r: RequestKV) -> list[tuple[object, int]]:
         """(key, slots) of the tokens this request needs now; shared blocks share a key.
@@ -341,7 +346,9 @@ class TextStream(SpecManager):
         hashes = self.alloc.specs[self.s].hash
         # Uncached pages (a block another page already caches) serve no hit: let go.
         self.alloc.free(self.s, [p for p in keep if hashes[p] is None], now)
-        r.held[self.s].extend(p for p in keep if hashes[p] is not None)
+        held = [p for p in keep if hashes[p] is not None]
+        if held:
+            r.held.setdefault(self.s, []).extend(held)
 
     def _reach(self) -> int:
         """Blocks before a prefix end that a hit there needs, at most."""
@@ -436,7 +443,7 @@ class MambaState(SpecManager):
             if h is None or self.reuse is None:
                 self.alloc.free(s, [pid], now)
             elif self._serves_reuse_point(r, pos // self.T):
-                r.held[s].append(pid)
+                r.held.setdefault(s, []).append(pid)
             else:  # cached, but evicted first
                 self.alloc.free(s, [pid], DEAD)
         r.pending[s] = keep
@@ -448,7 +455,7 @@ class MambaState(SpecManager):
         if q and self.reuse is not None and q <= len(r.hashes):
             pid = self.alloc.specs[self.s].cached.get(r.hashes[q - 1])
             if pid is not None:
-                r.kept[self.s].append((pid, r.hashes[q - 1]))
+                r.kept.setdefault(self.s, []).append((pid, r.hashes[q - 1]))
         super().free_all(r, now)
 
     def _serves_reuse_point(self, r: RequestKV, e: int) -> bool:

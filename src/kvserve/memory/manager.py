@@ -145,7 +145,7 @@ class KVCacheManager:
         self.reqs[req_id] = RequestKV(
             req_id, tokens, tuple(images),
             tables=[[] for _ in range(n)], released=[0] * n, pending=[[] for _ in range(n)],
-            prompt_len=len(tokens), kept=[[] for _ in range(n)], held=[[] for _ in range(n)],
+            prompt_len=len(tokens),
         )
 
     def _req(self, req_id: RequestId) -> RequestKV:
@@ -169,7 +169,7 @@ class KVCacheManager:
             p = (len(r.tokens) - 1) // self.T
             q = self._longest_common_hit(r, p)
             self._mark_reuse(r, p, q)
-            r.key = self.reuse.lost_key(r, p, q, self.now)
+            r.key = self.reuse.reuse_key(r, p, q, self.now)
         for m in self.managers:
             m.claim_hit(r, q)
         r.num_hit = r.num_computed = r.num_alloc = q * self.T
@@ -265,8 +265,8 @@ class KVCacheManager:
         dropped = []
         for r in self.reqs.values():
             for m in self.managers:
-                if r.held[m.s]:
-                    dropped.append((r, m.s, list(r.held[m.s])))
+                if m.s in r.held:
+                    dropped.append((r, m.s, r.held[m.s]))
                     m.drop_held(r, self._key(r))
         return dropped
 
@@ -313,7 +313,7 @@ class KVCacheManager:
             idle = sp.n_idle_empty
             # Pages held only for a reuse point are cache that running requests can
             # take back (_drop_held): count them as evictable, not as used.
-            held = sum(1 for r in self.reqs.values() for p in r.held[m.s] if sp.ref[p] == 1)
+            held = sum(1 for r in self.reqs.values() for p in r.held.get(m.s, ()) if sp.ref[p] == 1)
             used, empty = (sp.n_used - held) * pb, (sp.n_empty - idle) * pb
             out.append(SpecStats(m.spec.name, pb, used, (sp.n_evictable + idle + held) * pb,
                                  empty, need, used + empty - need))
