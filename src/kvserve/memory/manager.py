@@ -271,7 +271,7 @@ class KVCacheManager:
         return dropped
 
     def _key(self, r: RequestKV) -> int:
-        """Eviction key of the pages r releases now: the step, unless its prefix was lost."""
+        """Eviction key of the pages r releases now: the step, unless it is in a loop."""
         return self.now if r.key is None else min(r.key, self.now)
 
     def fits_alone(
