@@ -179,9 +179,11 @@ class CpuKernels:
             raise ValueError("q8_matmul: x float32 [1..4, K], q int8 [N, K], d [N, K/32], "
                              "K a multiple of 32")
         y = torch.empty((M, N), dtype=torch.float32)
-        self.lib.kvs_q8_matmul(_ptr(q, torch.int8, N * K), _ptr(d, torch.float32, N * K // 32),
-                               x.data_ptr(), x.stride(0), M, N, K, y.data_ptr(),
-                               torch.get_num_threads())
+        rc = self.lib.kvs_q8_matmul(_ptr(q, torch.int8, N * K),
+                                    _ptr(d, torch.float32, N * K // 32), x.data_ptr(),
+                                    x.stride(0), M, N, K, y.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise MemoryError("q8_matmul: no scratch memory")
         return y
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
