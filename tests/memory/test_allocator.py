@@ -187,3 +187,16 @@ def test_request_own_page_path_runs_out_cleanly():
     with pytest.raises(OutOfPages):
         alloc.allocate("r", [(0, 1)])
     assert snapshot(alloc) == before
+
+
+def test_supply_below_counts_free_and_unused_large_pages_under_a_key():
+    alloc = make(num_large=4)
+    old = alloc.allocate("x", [(0, 4)])[0]
+    new = alloc.allocate("y", [(0, 4)])[0]
+    cache(alloc, 0, old, now=1, key="old")
+    cache(alloc, 0, new, now=5, key="new")
+    assert alloc.allocate("z", [(1, 1)])[0]  # a large page in use: never supply
+    assert alloc.supply_below(0) == [1]  # the free large page only
+    assert alloc.supply_below(3) == [2]  # and the page cached at step 1
+    assert alloc.supply_below(10) == [3]
+    check_invariants_alloc(alloc)

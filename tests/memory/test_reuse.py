@@ -131,19 +131,21 @@ def test_only_prefixes_back_at_regular_gaps_count_as_a_loop():
     hashes: list = []
     extend_block_hashes(hashes, tokens, T, ())
 
-    def lookup_at(now: int, hit: int = 0) -> bool:
-        """A request of the same prompt looks up at step `now`; whether it is a loop member."""
-        r = RequestKV(now, tokens, (), hashes=list(hashes), num_computed=len(tokens))
-        key = reuse.reuse_key(r, len(hashes), hit, now)
-        assert key == (LOOP - now if r.loop else None)
-        reuse.remember(r, now)
+    def lookup_at(arrival: int, hit: int = 0) -> bool:
+        """The request arriving `arrival`-th has the same prompt; whether it is a loop
+        member (the step it looks up at does not matter: gaps count arrivals)."""
+        r = RequestKV(arrival, tokens, (), hashes=list(hashes), num_computed=len(tokens),
+                      arrival=arrival)
+        key = reuse.reuse_key(r, len(hashes), hit, now=7)
+        assert key == (LOOP - 7 if r.loop else None)
+        reuse.remember(r)
         return r.loop
 
     assert not lookup_at(100)  # never seen
     assert not lookup_at(200)  # lost once: gets LRU's chance
     assert lookup_at(300)  # lost again after the same gap: a loop
     assert lookup_at(450, hit=16)  # a hit within 2x of the gap stays in the loop
-    assert not lookup_at(1000)  # 550 steps after a gap of 150: random reuse, LRU again
+    assert not lookup_at(1000)  # 550 arrivals after a gap of 150: random reuse, LRU again
     assert not lookup_at(1100, hit=16)  # a hit alone does not make a loop
 
 
@@ -271,3 +273,43 @@ def test_a_running_request_takes_held_pages_back_when_memory_runs_out():
     assert [list(sp.ref) for sp in mgr2.alloc.specs] == before
     assert len(mgr2.reqs["a"].held.get(1, [])) == held
     check_invariants(mgr2)
+
+
+def _looked_up(mgr: KVCacheManager, rid, tokens: list[int], loop: bool = False, gap: int = 0):
+    """A request after its lookup, made a loop member with `gap` as reuse_key would."""
+    mgr.add_request(rid, tokens)
+    mgr.lookup(rid)
+    r = mgr.reqs[rid]
+    r.loop, r.gap = loop, gap
+    return r
+
+
+def test_a_loop_miss_waits_for_room_and_for_other_loop_misses():
+    mgr = make(40)
+    mgr.begin_step()
+    a = _looked_up(mgr, "a", list(range(1, 21)))
+    assert mgr.can_start("a", 20)  # alone: always
+    assert mgr.allocate_slots("a", 20)  # 5 full + 5 sliding pages; 30 stay free
+    b = _looked_up(mgr, "b", [100 + i for i in range(64)], loop=True, gap=3)
+    assert not mgr.can_start("b", 64)  # prefilled at once it peaks at 16 + 16 pages
+    assert mgr.can_start("b", 8)  # 8 at a time: 16 full + 7 sliding pages
+    a.loop = True  # another loop miss runs: b waits whatever it needs
+    assert not mgr.can_start("b", 8)
+    b.num_hit = 32  # b hit half its prompt: not a miss, it never waits
+    assert mgr.can_start("b", 8)
+    b.num_hit = 0
+    assert not mgr.can_start("b", 8)
+    for i in range(3):  # a loop period (gap = 3) of admissions later it starts anyway
+        assert mgr.can_start("b", 8) is (i == 3)
+        mgr.add_request(i, [7, 7, i])
+        mgr.lookup(i)
+        assert mgr.allocate_slots(i, 3)
+    assert mgr.can_start("b", 8)
+    mgr.abort("b")
+    for rid in ["a", 0, 1, 2]:
+        mgr.finish(rid)
+    b = _looked_up(mgr, "b", [100 + i for i in range(64)], loop=True, gap=3)
+    assert mgr.can_start("b", 64)  # nothing else runs
+    mgr.abort("b")
+    check_invariants(mgr)
+    assert not mgr._waits

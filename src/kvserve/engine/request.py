@@ -79,6 +79,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: float
+    seq: int = 0  # place in the scheduler's arrival order
     token_ids: list[int] = field(default_factory=list)  # prompt + output; the KV manager reads it
     images: tuple[ImageInput, ...] = ()
     status: Status = Status.WAITING

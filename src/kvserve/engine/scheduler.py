@@ -2,9 +2,11 @@
 
 Each step: running requests first, in arrival order (a decode token each, or
 the next chunk of their prompt), then waiting requests while the budget and
-the KV pool allow. When a running request cannot get slots, the most recently
-admitted running request is preempted: its pages go back as evictable prefix
-cache, so re-running it later mostly hits the cache instead of recomputing.
+the KV pool allow (a request the memory core asks to wait lets those behind it
+go first: KVCacheManager.can_start). When a running request cannot get slots,
+the most recently admitted running request is preempted: its pages go back as
+evictable prefix cache, so re-running it later mostly hits the cache instead
+of recomputing.
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_added = 0
 
     def add(self, req: Request) -> None:
+        req.seq = self.num_added
+        self.num_added += 1
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -68,18 +73,26 @@ class Scheduler:
 
     def _admit_waiting(self, batch: list[Scheduled], budget: int) -> list[Request]:
         failed = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            self.kv.add_request(req.request_id, req.token_ids, req.images)
+        i = 0  # requests before i were told to wait by the memory core: skip them
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
+            self.kv.add_request(req.request_id, req.token_ids, req.images, req.seq)
             hit = self.kv.lookup(req.request_id)
             n = min(len(req.token_ids) - hit, budget)
+            # The memory core may ask a request to let the ones behind it go first;
+            # the last one in the queue starts anyway, so the engine never idles.
+            if i + 1 < len(self.waiting) and not self.kv.can_start(req.request_id, n):
+                self.kv.abort(req.request_id)
+                i += 1
+                continue
             if not self.kv.allocate_slots(req.request_id, n):
                 self.kv.abort(req.request_id)
                 if not self.running and not batch:  # alone in an empty pool: never fits
-                    failed.append(self.waiting.popleft())
+                    failed.append(self.waiting[i])
+                    del self.waiting[i]
                     continue
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             if not req.admitted:  # the first admission, not a resumed preemption
                 req.num_cached_tokens = hit
                 req.admitted = True

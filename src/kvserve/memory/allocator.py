@@ -164,6 +164,19 @@ class TwoLevelAllocator:
     def num_free_large(self) -> int:
         return sum(len(f) for f in self.free_large)
 
+    def supply_below(self, key: int) -> list[int]:
+        """Per partition: free large pages plus unused ones whose key is below `key`.
+
+        A scan of every large page: for rare decisions (a loop member's admission),
+        not for the allocation paths.
+        """
+        supply = [len(f) for f in self.free_large]
+        part = self.part
+        for s, u, t in zip(self.owner, self.used, self.ltime):
+            if s >= 0 and not u and t < key:
+                supply[part[s]] += 1
+        return supply
+
     # ------------------------------------------------------------- allocation
 
     def allocate(self, req: RequestId, needs: Sequence[tuple[int, int]]) -> list[list[int]]:

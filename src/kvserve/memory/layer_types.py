@@ -66,6 +66,7 @@ class RequestKV:
     key: int | None = None
     gap: int = 0  # steps since its prefix was last used (0: first seen)
     loop: bool = False  # its prefix comes back at regular gaps: ReusePoints.reuse_key
+    arrival: int = 0  # its place in arrival order: the clock of reuse gaps
     # per spec: (page, hash) of cached pages a reuse point needs; stamped at finish
     kept: dict[int, list[tuple[int, Hashable]]] = field(default_factory=dict)
     # per spec: pages out of the window or checkpoints a reuse point needs, still
@@ -94,20 +95,23 @@ class ReusePoints:
         self.limit = limit
         self.marks: dict[Hashable, None] = {}
         # Prefixes finished requests had (blocks 1, 2, 4, .. SAMPLE/2, every SAMPLE-th
-        # and the sequence end, so any prefix has one at least half as long) -> their
-        # eviction key then, the gap after which that request had come back (0: first
-        # seen) and whether it was a loop member; cached or not.
+        # and the sequence end, so any prefix has one at least half as long) -> that
+        # request's arrival, the gap (in arrivals) after which it had come back (0:
+        # first seen) and whether it was a loop member; cached or not. Gaps counted in
+        # arrivals, not steps or admissions, are the trace's own reuse distances: they
+        # stay the same when a queue builds up or requests are admitted out of order.
         self.seen: dict[Hashable, tuple[int, int, bool]] = {}
+        self.admitted = 0  # requests admitted so far: how long a deferred one waited
         self.protect: bool | None = None  # fixes the loop rule for lost prefixes (tests)
 
-    def remember(self, r: RequestKV, key: int) -> None:
-        hashes, seen = r.hashes, self.seen
+    def remember(self, r: RequestKV) -> None:
+        hashes, seen, t = r.hashes, self.seen, r.arrival
         n = min(len(hashes), r.num_computed // self.T)  # blocks whose KV was written
         short = [1 << i for i in range(self.SAMPLE.bit_length() - 1) if 1 << i < n]
         for e in [*short, *range(self.SAMPLE, n, self.SAMPLE), n]:
             if e:
                 seen.pop(hashes[e - 1], None)
-                seen[hashes[e - 1]] = (key, r.gap, r.loop)
+                seen[hashes[e - 1]] = (t, r.gap, r.loop)
         while len(seen) > 2 * self.limit:
             del seen[next(iter(seen))]
 
@@ -116,8 +120,8 @@ class ReusePoints:
 
         A loop over more prefixes than fit defeats LRU: the prefix used
         longest ago is the next one needed, so every request misses. A prefix
-        is taken for a loop member when it comes back after a gap within 2x
-        of its previous one and either was lost (cached once, now gone) or
+        is taken for a loop member when it comes back after a gap (in
+        arrivals) within 2x of its previous one and either was lost (cached once, now gone) or
         was a loop member already. Chat sessions with random think times
         rarely pass that test, and plain LRU serves them better.
 
@@ -138,8 +142,8 @@ class ReusePoints:
             found = self._last_use(r.hashes, q, q // 2)
         if found is None:
             return None
-        key, gap_before, loop_before = found
-        gap = r.gap = max(1, now - key)
+        then, gap_before, loop_before = found
+        gap = r.gap = max(1, r.arrival - then)
         regular = gap_before * 2 >= gap >= gap_before / 2
         r.loop = regular and (lost or loop_before)
         if self.protect is not None:

@@ -11,6 +11,12 @@
   in the future (or never) are evicted first (Belady's MIN, with bypass).
   With units of different sizes MIN is a heuristic rather than a proof, but
   with no running requests and no timing it is the ceiling we compare to.
+- `belady` with `peak`: the same, but the requests run one at a time and
+  each holds, while it runs, the pages computing its uncached tokens takes
+  at its peak (`peak_bytes`: for a sliding window the window plus a
+  prefill chunk, the whole chunk being written at once). Any policy needs
+  that room beside its cache at that moment, more with requests running
+  together, so this is the tighter ceiling where prompts are long.
 
 Both count as the simulator does: hit tokens over prompt tokens at each
 request's first lookup, a hit of at most (prompt_len - 1) // T blocks.
@@ -75,9 +81,19 @@ def hit_bytes(kv: KVCacheManager) -> Callable[[int], int]:
     return size
 
 
+def peak_bytes(kv: KVCacheManager, chunk: int) -> Callable[[int], int]:
+    """Bytes one request computing n tokens holds at its peak, prefilled `chunk` at a time."""
+
+    def size(n: int) -> int:
+        return sum(m.peak_pages(n, chunk, ()) * kv.layout.page_bytes[m.s] for m in kv.managers)
+
+    return size
+
+
 def belady(trace: Sequence[TraceRequest], capacity: int, size: Callable[[int], int],
-           T: int = 16) -> float:
-    """The hit rate of offline MIN over prefix units in `capacity` bytes (see module doc)."""
+           T: int = 16, peak: Callable[[int], int] | None = None) -> float:
+    """The hit rate of offline MIN over prefix units in `capacity` bytes (see module doc);
+    with `peak`, each request's own peak room is kept free while it runs."""
     ordered = sorted(trace, key=lambda r: r.arrival)
     hits = _hits(ordered, T)
     nxt: list[int] = [len(ordered)] * len(ordered)  # next request of the same unit
@@ -91,22 +107,24 @@ def belady(trace: Sequence[TraceRequest], capacity: int, size: Callable[[int], i
     heap: list[tuple[int, str]] = []  # (-next use, unit), stale entries skipped
     used = got = 0
     for i, tr in enumerate(ordered):
-        u = tr.prefix_id
-        if u is None:
-            continue
-        if u in cached:
+        u = tr.prefix_id  # None: shares nothing, but takes room while it runs
+        hit = u in cached
+        if hit:
             got += hits[i]
             used -= cached.pop(u)[1]
         j = nxt[i]
-        if j == len(ordered):
-            continue
-        need = size(hits[j])
-        if need > capacity:
-            continue
-        cached[u] = (j, need)
-        used += need
-        heapq.heappush(heap, (-j, u))
-        while used > capacity:
+        need = size(hits[j]) if j < len(ordered) else 0
+        # Room the request holds beside the cache while it runs; a miss computes its
+        # unit, so the unit's cached bytes are part of that room, not added to it.
+        extra = 0
+        if peak is not None:
+            extra = peak(tr.prompt_len - hits[i] * hit + tr.output_len)
+            extra = max(0, extra - (0 if hit else need))
+        if j < len(ordered) and need + extra <= capacity:
+            cached[u] = (j, need)
+            used += need
+            heapq.heappush(heap, (-j, u))
+        while used + extra > capacity and heap:
             neg, v = heapq.heappop(heap)
             if cached.get(v, (None,))[0] == -neg:
                 used -= cached.pop(v)[1]

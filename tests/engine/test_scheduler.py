@@ -1,0 +1,37 @@
+"""Admission order when the memory core asks a request to wait."""
+
+from kvserve.engine.request import Request, SamplingParams
+from kvserve.engine.scheduler import Scheduler
+from kvserve.memory import KVCacheManager, KVSpec, LayerKind
+
+T = 4
+FULL = KVSpec("full", LayerKind.FULL, 1, 8)
+
+
+def _request(rid: str, n: int) -> Request:
+    return Request(rid, None, [hash((rid, i)) % 1000 for i in range(n)], SamplingParams(), 0.0)
+
+
+def _scheduler(defer: set[str]) -> Scheduler:
+    kv = KVCacheManager([FULL], T * 8 * 64, tokens_per_page=T)
+    asked = kv.can_start
+    kv.can_start = lambda rid, n: rid not in defer and asked(rid, n)
+    return Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+def test_a_waiting_request_lets_the_ones_behind_it_go_first():
+    sched = _scheduler(defer={"a"})
+    for rid in "abc":
+        sched.add(_request(rid, 8))
+    batch, failed = sched.schedule()
+    assert [s.request.request_id for s in batch] == ["b", "c"] and not failed
+    assert [r.request_id for r in sched.waiting] == ["a"]
+    assert "a" not in sched.kv.reqs  # its lookup was taken back: it holds nothing
+    assert [r.seq for r in [*sched.running, *sched.waiting]] == [1, 2, 0]
+
+
+def test_the_last_request_in_the_queue_starts_anyway():
+    sched = _scheduler(defer={"a"})
+    sched.add(_request("a", 8))
+    batch, _ = sched.schedule()  # nothing behind it: waiting would idle the engine
+    assert [s.request.request_id for s in batch] == ["a"]
