@@ -222,6 +222,25 @@ def test_memory_pressure_reclaims_the_prefix_tree_leaves_first():
     pool.close()
 
 
+def test_idle_trim_keeps_recent_prefixes():
+    now = [0.0]
+    pool = make_pool(clock=lambda: now[0])
+    old, new = list(range(2 * TPC)), list(range(500, 500 + 2 * TPC))
+    for rid, tokens in (("old", old), ("new", new)):
+        pool.create(rid)
+        pool.extend(rid, len(tokens))
+        write_tokens(pool, rid, tokens, 0, len(tokens))
+        pool.record(rid, tokens)
+        pool.release(rid)
+        now[0] += 10.0
+    pool.trim(idle_s=15.0)  # "old" was last used 20 s ago, "new" 10 s ago
+    assert len(pool.tree) == 2 and len(pool.cached) == 1
+    assert pool.create("again", new) == 2 * TPC and pool.create("lost", old) == 0
+    check_refs(pool)
+    check_vmas(pool)
+    pool.close()
+
+
 def test_mapping_limit_raises_before_the_budget_is_passed():
     pool = make_pool(num_chunks=16, max_mappings=4)
     pool.create("a")

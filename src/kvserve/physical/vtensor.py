@@ -401,10 +401,14 @@ class VTensor:
     def nbytes(self) -> int:
         return self.slots * self.pool.chunk_bytes
 
-    def vmas(self, chunks: Sequence[int] | None = None, placeholder_end: int | None = None) -> int:
-        """Kernel VMAs the range takes (now, or with the given state): one per run."""
+    def vmas(self, chunks: Sequence[int] | None = None) -> int:
+        """Kernel VMAs the range takes (now, or with `chunks` mapped): one per run.
+
+        A run is consecutive chunks (the kernel merges their mappings), the
+        placeholders, or the PROT_NONE rest.
+        """
         chunks = self.chunks if chunks is None else chunks
-        ph = self.placeholder_end if placeholder_end is None else placeholder_end
+        ph = self.placeholder_end
         n = len(_runs(chunks)) + (ph > len(chunks))
         return n + (self.slots > max(ph, len(chunks)))
 
@@ -465,6 +469,7 @@ class VTensor:
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         tensor, owner = self.pool.backend.buffer(self.addr, nbytes)
+        self.viewed_slots()  # prune dead views: one view per step must not pile up
         self.views.append((weakref.ref(owner, self._view_died), len(self.chunks)))
         return tensor
 
