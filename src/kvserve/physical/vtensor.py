@@ -145,6 +145,13 @@ class Backend(ABC):
     The pool above is device-neutral: it hands the backend chunk indices and
     byte addresses and keeps every reference count itself. The backend also
     keeps the VMA count, so pools sharing a backend share its budget.
+
+    A CUDA backend (not written yet) maps onto the driver's VMM API:
+    cuMemAddressReserve / cuMemAddressFree for ranges, one cuMemCreate handle
+    per chunk (made on first map, cuMemRelease'd by `punch`), cuMemMap +
+    cuMemSetAccess / cuMemUnmap, and `__cuda_array_interface__` for `buffer`.
+    CUDA has no anonymous memory, so its placeholder would be one shared sink
+    chunk, and its chunk size a multiple of the allocation granularity (2 MiB).
     """
 
     def __init__(self, chunk_bytes: int, num_chunks: int, max_mappings: int | None) -> None:
