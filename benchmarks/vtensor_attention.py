@@ -60,7 +60,7 @@ def qkv(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 def vtensor_call(ctx: int, n: int, dtype: torch.dtype) -> Callable[[], object]:
     """The request's first ctx - n tokens prefilled (KV random), then a step of n tokens."""
     shape = AttentionShape(HKV, D, dtype)
-    attn = VirtualAttention([0], shape, HQ, SCALE, 4 * ctx * shape.bytes_per_token(), T)
+    attn = VirtualAttention([0], shape, SCALE, 4 * ctx * shape.bytes_per_token(), T)
     tokens = list(range(ctx))
     first = VirtualSeq("r", tokens, 0, ctx - n, ctx)
     attn.prepare([first])

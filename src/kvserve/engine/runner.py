@@ -66,8 +66,8 @@ class ModelRunner:
             self.pool = None
             windows = [b.window for b in bindings]
             self.attn = VirtualAttention(
-                windows, shape, model.config.num_attention_heads, model.config.attn_scale,
-                capacity_for(kv.pool_bytes, windows), kv.T)
+                windows, shape, model.config.attn_scale, capacity_for(kv.pool_bytes, windows),
+                kv.T)
         else:
             shapes = {spec.name: shape for spec in kv.layout.specs}
             self.pool = KVPool(kv.layout, kv.num_large_pages, shapes, model.device)

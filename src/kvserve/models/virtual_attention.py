@@ -112,27 +112,24 @@ def _first_key(start: int, window: int) -> int:
     return max(0, start - window + 1) if window else 0
 
 
-def _bias(start: int, end: int, lo: int, window: int, group: int,
-          dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [group * Q, end - lo] for folded GQA rows (query head group-major)."""
+def _bias(start: int, end: int, lo: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [Q, end - lo]: causal, and inside the window; made once for all layers."""
     q = torch.arange(start, end)[:, None]
     k = torch.arange(lo, end)[None, :]
     visible = k <= q
     if window:
         visible &= k > q - window
-    bias = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
-    return bias.repeat(group, 1)
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
 class VirtualAttention:
     """Attention backend over per-request, per-layer vTensors sharing one chunk pool."""
 
-    def __init__(self, windows: Sequence[int], shape: AttentionShape, num_q_heads: int,
-                 scale: float, capacity_bytes: int, tokens_per_page: int,
+    def __init__(self, windows: Sequence[int], shape: AttentionShape, scale: float,
+                 capacity_bytes: int, tokens_per_page: int,
                  chunk_target: int | None = None, ahead_chunks: int = 1) -> None:
         self.windows = list(windows)  # per layer; 0 for full attention
         self.shape = shape
-        self.group = num_q_heads // shape.num_kv_heads
         self.scale = scale
         self.device = torch.device("cpu")
         bpt = shape.bytes_per_token()
@@ -181,7 +178,14 @@ class VirtualAttention:
 
     def _create(self, rid: str, prefix: Sequence[int], max_tokens: int) -> int:
         """Create in every layer; the layers' trees may disagree, so keep their common match."""
-        hits = [self._retry(lambda p=p: p.create(rid, prefix, max_tokens)) for p in self.pools]
+        hits = []
+        try:
+            for pool in self.pools:
+                hits.append(self._retry(lambda p=pool: p.create(rid, prefix, max_tokens)))
+        except BaseException:
+            for pool in self.pools[:len(hits)]:  # all layers or none: a retry starts clean
+                pool.release(rid)
+            raise
         common = min(hits)
         keep = common // self.tokens_per_chunk
         for pool in self.pools:
@@ -213,7 +217,7 @@ class VirtualAttention:
                          {w: _first_key(s.start, w) for w in set(self.windows)})
             for w, lo in plan.first_key.items():
                 plan.bias[w] = None if s.num_new == 1 else _bias(
-                    s.start, end, lo, w, self.group, self.shape.dtype)
+                    s.start, end, lo, w, self.shape.dtype)
             self.plans.append(plan)
             row += s.num_new
         self.views = [[pool.view(s.request_id, self.shape.dtype).view(-1, 2, H, D)
@@ -234,19 +238,26 @@ class VirtualAttention:
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-        """q [Q, Hq, D] over kv [L, 2, Hkv, D] -> [Q, Hq, D].
+        """q [Q, Hq, D] over kv [L, 2, Hkv, D] -> [Q, Hq, D]; K and V are read in place.
 
-        Grouped-query heads are folded into query rows of their KV head, so K/V
-        are never repeated; a decode row sees every key given (no mask).
+        Decode (no mask: the keys given are the ones it sees) folds the query
+        heads sharing a KV head into query rows of that head: one SDPA row
+        block, ~2.5x faster on CPU than SDPA's own GQA. Prefill uses SDPA's GQA
+        instead, so the mask stays [Q, L] rather than growing with the group
+        (folding is no faster there).
         """
         Q, Hq, D = q.shape
         Hkv = kv.shape[2]
-        G = Hq // Hkv
-        qg = q.view(Q, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * Q, D)
-        keys = kv[:, 0].transpose(0, 1)[None]  # [1, Hkv, L, D], a view
+        keys = kv[:, 0].transpose(0, 1)[None]  # [1, Hkv, L, D], a strided view
         values = kv[:, 1].transpose(0, 1)[None]
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias, scale=self.scale)
-        return out.view(Hkv, G, Q, D).permute(2, 0, 1, 3).reshape(Q, Hq, D)
+        if bias is None:
+            qg = q.view(1, Hkv, (Hq // Hkv) * Q, D)  # Q == 1: the heads are the rows
+            out = F.scaled_dot_product_attention(qg, keys, values, scale=self.scale)
+            return out.view(Q, Hq, D)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values,
+                                             attn_mask=bias, scale=self.scale,
+                                             enable_gqa=Hq != Hkv)
+        return out[0].transpose(0, 1)
 
     # ------------------------------------------------------------ after step
 
