@@ -16,7 +16,10 @@ attention):
 * paged: `PagedAttention` with the compiled CPU kernel, pages in a shuffled
   order (a long-running pool is never in order);
 * gather: `PagedAttention`'s torch path, which gathers the pages into a
-  contiguous copy and then runs matmuls (decode) or SDPA (prefill).
+  contiguous copy and then runs matmuls (decode) or SDPA (prefill);
+* kernel over vtensor: the same compiled CPU kernel reading the contiguous
+  virtual KV in place, as pages of one token with an identity table (no
+  write; attention only): the kernel's cost without a scattered layout.
 
 Times are medians of `--repeat` calls, in milliseconds; a markdown table and
 the CPU come out on stdout.
@@ -32,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from kvserve.cpu_features import summary
+from kvserve.kernels.cpu import kernels_for
 from kvserve.memory import KVCacheManager, KVSpec, LayerKind
 from kvserve.models.paged_attention import LayerBinding, PagedAttention, SeqStep
 from kvserve.models.virtual_attention import VirtualAttention, VirtualSeq
@@ -71,6 +75,22 @@ def vtensor_call(ctx: int, n: int, dtype: torch.dtype) -> Callable[[], object]:
     return lambda: attn(0, q, k, v)
 
 
+def vtensor_kernel_call(ctx: int, n: int, dtype: torch.dtype) -> Callable[[], object]:
+    """The paged CPU kernel over a vTensor: [L, 2, Hkv, D] seen as L pages of one token."""
+    shape = AttentionShape(HKV, D, dtype)
+    attn = VirtualAttention([0], shape, SCALE, 4 * ctx * shape.bytes_per_token(), T)
+    attn.prepare([VirtualSeq("r", list(range(ctx)), 0, ctx, ctx)])
+    cache = attn.views[0][0][:ctx].unsqueeze(2).normal_()  # [L, 2, 1, Hkv, D]
+    kernels = kernels_for(cache)
+    if kernels is None:
+        return lambda: None
+    pos = torch.arange(ctx - n, ctx, dtype=torch.int32)
+    table = torch.arange(ctx, dtype=torch.int32)[None]
+    seq, lo = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+    q = torch.randn(n, HQ, D, dtype=dtype)
+    return lambda: kernels.paged_attention(q, cache, table, seq, lo, pos + 1, SCALE)
+
+
 def paged_call(ctx: int, n: int, dtype: torch.dtype, kernel: bool) -> Callable[[], object]:
     """PagedAttention over a shuffled page table of ctx tokens; `kernel` False = gather path."""
     shape = AttentionShape(HKV, D, dtype)
@@ -102,13 +122,15 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     print(f"CPU: {summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.dtype}, 1 layer: {HQ} q heads, {HKV} KV head, head_dim {D}\n")
-    print("| context | step | vtensor SDPA (ms) | paged kernel (ms) | gather + SDPA (ms) |")
-    print("|---:|---|---:|---:|---:|")
+    print("| context | step | vtensor SDPA (ms) | paged kernel (ms) | gather + SDPA (ms) "
+          "| kernel over vtensor (ms) |")
+    print("|---:|---|---:|---:|---:|---:|")
     for ctx in (int(c) for c in args.contexts.split(",")):
         for step, n in (("decode", 1), (f"prefill {args.chunk}", min(args.chunk, ctx // 2))):
             row = [median_ms(vtensor_call(ctx, n, dtype), args.repeat),
                    median_ms(paged_call(ctx, n, dtype, kernel=True), args.repeat),
-                   median_ms(paged_call(ctx, n, dtype, kernel=False), args.repeat)]
+                   median_ms(paged_call(ctx, n, dtype, kernel=False), args.repeat),
+                   median_ms(vtensor_kernel_call(ctx, n, dtype), args.repeat)]
             print(f"| {ctx} | {step} | " + " | ".join(f"{t:.3f}" for t in row) + " |",
                   flush=True)
 
