@@ -49,9 +49,12 @@ lacks, and a shared chunk is never written: matched chunks end at or before
 `start`, and a request resumed below what it already computed (a preemption)
 is released and created again, since its own chunks may have been recorded
 and mapped by others since. The price is a step larger than the scheduler's
-token budget by the gap, which is zero while both caches hold the prefix and
-less than a chunk while both are whole pages; `num_cached_tokens` still
-reports the memory core's hit.
+token budget by the gap: zero when the hit ends on a chunk boundary and both
+caches hold it, less than a chunk when it ends inside one, the whole hit only
+after the vTensor trees were trimmed under the memory core's cache; and
+`num_cached_tokens` reports the memory core's hit. Capping the hit instead
+would need a hook inside `KVCacheManager.lookup`, which claims the hit's pages
+as it returns; recomputing keeps the memory core untouched.
 
 Physical capacity is a ceiling on a sparse memfd, not a reservation: memory
 is taken as chunks are mapped. It must cover what the memory core admits,
