@@ -10,12 +10,15 @@ a vTensor prefix match shorter than the memory core's hit is recomputed.
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from hf_reference import NEW_TOKENS, ledger_text
 
 from kvserve.engine.engine import EngineConfig, LLMEngine
 from kvserve.engine.request import SamplingParams
+from kvserve.entrypoints.model_args import add_model_arguments, model_config
 from kvserve.models import Gemma3Config, Gemma3ForCausalLM
 from kvserve.models import virtual_attention as va
 
@@ -142,6 +145,15 @@ def test_preemption_under_a_small_budget_equal_paged(kv, prompts):
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="unknown kv_backend 'pages'; choose from paged, vtensor"):
         EngineConfig(kv_backend="pages")
+
+
+def test_kv_backend_flag_reaches_the_engine_config():
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    assert model_config(parser.parse_args([])).kv_backend == "paged"
+    assert model_config(parser.parse_args(["--kv-backend", "vtensor"])).kv_backend == "vtensor"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-backend", "pages"])
 
 
 # -------------------------------------------------------------- tiny model
