@@ -19,7 +19,7 @@ from kvserve.engine.request import (
     RequestOutput,
     SamplingParams,
 )
-from kvserve.engine.runner import ModelRunner, attention_specs
+from kvserve.engine.runner import ModelRunner, attention_specs, check_kv_backend
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.scheduler import Scheduler
 from kvserve.memory import KVCacheManager
@@ -44,6 +44,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     policy: str = "jenga"
     quantization: str = "auto"  # auto | none | int8: see models/quant.py
+    kv_backend: str = "paged"  # paged | vtensor: where KV data lives, see engine/runner.py
+
+    def __post_init__(self) -> None:
+        check_kv_backend(self.kv_backend)  # before a model is loaded for nothing
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
@@ -112,7 +116,7 @@ class LLMEngine:
             specs, resolve_kv_bytes(cfg.kv_memory, model.device), cfg.tokens_per_page,
             policy=cfg.policy, enable_caching=cfg.enable_prefix_caching,
         )
-        self.runner = ModelRunner(self.model, self.kv, bindings, shape)
+        self.runner = ModelRunner(self.model, self.kv, bindings, shape, cfg.kv_backend)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sampler = Sampler()
         self.max_model_len = min(cfg.max_model_len or config.max_position_embeddings,
@@ -188,6 +192,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the requests that changed."""
         batch, failed = self.scheduler.schedule()
+        self.runner.retain(self.scheduler.running)
         outputs = []
         for req in failed:
             req.finish_reason = "abort"
@@ -242,6 +247,7 @@ class LLMEngine:
 
     def _retire(self, req: Request) -> RequestOutput:
         self.scheduler.finish(req)
+        self.runner.release(req.request_id)
         self.sampler.forget(req.request_id)
         out = self._output(req)
         del self.requests[req.request_id], self._detok[req.request_id]

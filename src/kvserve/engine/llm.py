@@ -15,6 +15,7 @@ class LLM:
     """Load a model (default: Gemma 3 270M) and generate for batches of prompts.
 
     kv_memory is the KV pool size: bytes (int) or a fraction of free memory.
+    kv_backend: "paged" (default) or "vtensor" (contiguous virtual KV, plain SDPA).
     """
 
     def __init__(
@@ -24,10 +25,11 @@ class LLM:
         kv_memory: int | float | None = None,
         dtype: torch.dtype | str = "auto",
         device: str | None = None,
+        kv_backend: str = "paged",
         **engine_args: object,
     ) -> None:
         cfg = EngineConfig(model=model, kv_memory=kv_memory, dtype=dtype, device=device,
-                           **engine_args)  # type: ignore[arg-type]
+                           kv_backend=kv_backend, **engine_args)  # type: ignore[arg-type]
         self.engine = LLMEngine.load(cfg)
         self._ids = itertools.count()
 

@@ -1,4 +1,9 @@
-"""Model runner: turns a scheduled batch into one forward pass over the KV pool."""
+"""Model runner: turns a scheduled batch into one forward pass over the KV cache.
+
+The KV data lives in the paged byte pool ("paged") or in per-request virtual
+tensors ("vtensor", `models/virtual_attention.py`); the memory core schedules,
+admits and finds prefix hits for both.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from kvserve.engine.scheduler import Scheduled
 from kvserve.memory import KVCacheManager, KVSpec, LayerKind
 from kvserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from kvserve.models.paged_attention import LayerBinding, PagedAttention, SeqStep
+from kvserve.models.virtual_attention import VirtualAttention, VirtualSeq, capacity_for
 from kvserve.physical.pool import AttentionShape, KVPool
 
 
@@ -36,31 +42,70 @@ def attention_specs(
     return specs, bindings, shape
 
 
+KV_BACKENDS = ("paged", "vtensor")
+
+
+def check_kv_backend(name: str) -> str:
+    if name not in KV_BACKENDS:
+        raise ValueError(f"unknown kv_backend {name!r}; choose from {', '.join(KV_BACKENDS)}")
+    return name
+
+
 class ModelRunner:
     def __init__(
         self, model: Gemma3ForCausalLM, kv: KVCacheManager, bindings: Sequence[LayerBinding],
-        shape: AttentionShape,
+        shape: AttentionShape, kv_backend: str = "paged",
     ) -> None:
         self.model = model
         self.kv = kv
-        shapes = {spec.name: shape for spec in kv.layout.specs}
-        self.pool = KVPool(kv.layout, kv.num_large_pages, shapes, model.device)
-        self.attn = PagedAttention(self.pool, bindings, model.config.attn_scale, kv.T)
+        self.kv_backend = check_kv_backend(kv_backend)
+        self.attn: PagedAttention | VirtualAttention
+        if kv_backend == "vtensor":
+            if model.device.type != "cpu":
+                raise ValueError("kv_backend 'vtensor' runs on CPU only for now")
+            self.pool = None
+            windows = [b.window for b in bindings]
+            self.attn = VirtualAttention(
+                windows, shape, model.config.attn_scale, capacity_for(kv.pool_bytes, windows),
+                kv.T)
+        else:
+            shapes = {spec.name: shape for spec in kv.layout.specs}
+            self.pool = KVPool(kv.layout, kv.num_large_pages, shapes, model.device)
+            self.attn = PagedAttention(self.pool, bindings, model.config.attn_scale, kv.T)
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[Scheduled]) -> torch.Tensor:
         """Run the batch; logits [n, vocab] for the entries that complete their tokens."""
-        seqs = [
-            SeqStep(s.start, s.num_tokens, self.kv.block_tables(s.request.request_id))
-            for s in batch
-        ]
-        ids = [t for s in batch for t in s.request.token_ids[s.start:s.start + s.num_tokens]]
-        device = self.model.device
-        positions = self.attn.prepare(seqs)
-        hidden = self.model(torch.tensor(ids, device=device), positions, self.attn)
+        if isinstance(self.attn, VirtualAttention):
+            seqs = [VirtualSeq(s.request.request_id, s.request.token_ids, s.start, s.num_tokens,
+                               s.request.num_prompt + s.request.params.max_tokens)
+                    for s in batch]
+            positions = self.attn.prepare(seqs)  # may widen a step: ids follow it
+            steps = [(s.start, s.num_new) for s in seqs]
+        else:
+            steps = [(s.start, s.num_tokens) for s in batch]
+            positions = self.attn.prepare([
+                SeqStep(s.start, s.num_tokens, self.kv.block_tables(s.request.request_id))
+                for s in batch])
+        ids = [t for s, (start, n) in zip(batch, steps)
+               for t in s.request.token_ids[start:start + n]]
+        hidden = self.model(torch.tensor(ids, device=self.model.device),
+                            positions.to(self.model.device), self.attn)
+        if isinstance(self.attn, VirtualAttention):
+            self.attn.commit()
         ends, rows = 0, []
-        for s in batch:
-            ends += s.num_tokens
+        for s, (_, n) in zip(batch, steps):
+            ends += n
             if s.completes_prompt:
                 rows.append(ends - 1)
         return self.model.compute_logits(hidden[rows])
+
+    def retain(self, running: Sequence[object]) -> None:
+        """The scheduler's running requests after a schedule: vTensors of the rest go."""
+        if isinstance(self.attn, VirtualAttention):
+            self.attn.retain(r.request_id for r in running)  # type: ignore[attr-defined]
+
+    def release(self, request_id: str) -> None:
+        """A request finished or was aborted: its vTensors go (the paged pool needs nothing)."""
+        if isinstance(self.attn, VirtualAttention):
+            self.attn.release(request_id)

@@ -17,6 +17,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "none", "q8", "fp16", "int8"],
                    help="weights: auto keeps roughly what the file ships (q8 on a float32 "
                         "CPU for a quantized GGUF), none serves them in --dtype")
+    p.add_argument("--kv-backend", default="paged", choices=["paged", "vtensor"],
+                   help="where KV data lives: paged (one fixed pool, paged attention) or "
+                        "vtensor (per-request contiguous virtual tensors, plain SDPA; CPU)")
 
 
 def parse_memory(text: str | None) -> int | float | None:
@@ -36,4 +39,5 @@ def model_config(args: argparse.Namespace, **engine_args: Any) -> Any:
     from kvserve.engine.engine import EngineConfig
 
     return EngineConfig(model=args.model, kv_memory=parse_memory(args.kv_memory),
-                        dtype=args.dtype, quantization=args.quantization, **engine_args)
+                        dtype=args.dtype, quantization=args.quantization,
+                        kv_backend=getattr(args, "kv_backend", "paged"), **engine_args)
