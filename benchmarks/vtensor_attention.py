@@ -13,8 +13,10 @@ Backends, each called exactly as the engine calls it (new K/V written, then
 attention):
 
 * vtensor: `VirtualAttention`, SDPA over the request's contiguous virtual KV;
-* paged: `PagedAttention` with the compiled CPU kernel, pages in a shuffled
-  order (a long-running pool is never in order);
+* paged: `PagedAttention` as the engine runs it with the compiled CPU
+  kernels (the attention kernel for decode rows, SDPA over gathered pages
+  for prefill chunks), pages in a shuffled order (a long-running pool is
+  never in order);
 * gather: `PagedAttention`'s torch path, which gathers the pages into a
   contiguous copy and then runs matmuls (decode) or SDPA (prefill);
 * kernel over vtensor: the same compiled CPU kernel reading the contiguous
@@ -122,7 +124,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     print(f"CPU: {summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.dtype}, 1 layer: {HQ} q heads, {HKV} KV head, head_dim {D}\n")
-    print("| context | step | vtensor SDPA (ms) | paged kernel (ms) | gather + SDPA (ms) "
+    print("| context | step | vtensor SDPA (ms) | paged (ms) | gather + SDPA (ms) "
           "| kernel over vtensor (ms) |")
     print("|---:|---|---:|---:|---:|---:|")
     for ctx in (int(c) for c in args.contexts.split(",")):

@@ -108,30 +108,52 @@ class PagedAttention:
         pos = torch.cat([torch.arange(s.start, s.start + s.num_new) for s in seqs])
         self.writes = {spec: self._write_slots(spec, pos) for spec, _ in self._windows}
         if self.kernels:
-            self.ranges = {key: self._key_ranges(pos, *key) for key in self._windows}
+            self._prepare_kernel(pos)
         else:
             self._prepare_gathers()
         return pos.to(self.device)
 
-    def _prepare_gathers(self) -> None:
-        """The torch path: decode rows in length groups, prefill chunks one by one."""
+    def _prepare_kernel(self, pos: torch.Tensor) -> None:
+        """The kernel path: decode rows go to the kernel, prefill chunks to SDPA over
+        gathered pages. The kernel walks one query row at a time, which for a
+        512-token chunk is 3-9x slower than SDPA on the gathered copy
+        (benchmarks/vtensor_attention.py); for one row per sequence it is the faster."""
+        self._prepare_prefill()
+        ranges = {key: self._key_ranges(pos, *key) for key in self._windows}
+        self.decode_index = None
+        if self.prefill_rows:
+            starts = self.row_start
+            dec = torch.tensor([starts[i] for i, s in enumerate(self.seqs) if s.num_new == 1],
+                               dtype=torch.long)
+            self.decode_index = dec
+            ranges = {key: (t, seq[dec], lo[dec], n[dec])
+                      for key, (t, seq, lo, n) in ranges.items()}
+        self.ranges = ranges
+
+    def _prepare_prefill(self) -> None:
+        """Prefill chunks, one gather each, and every sequence's first row."""
         seqs = self.seqs
-        self.decode_rows = [i for i, s in enumerate(seqs) if s.num_new == 1]
         self.prefill_rows = [i for i, s in enumerate(seqs) if s.num_new > 1]
         offsets = [0]
         for s in seqs:
             offsets.append(offsets[-1] + s.num_new)
         self.row_start = offsets
+        self.prefill = {
+            key: [self._gather([seqs[i]], *key) for i in self.prefill_rows]
+            for key in self._windows
+        }
+
+    def _prepare_gathers(self) -> None:
+        """The torch path: decode rows in length groups, prefill chunks one by one."""
+        self._prepare_prefill()
+        seqs, offsets = self.seqs, self.row_start
+        self.decode_rows = [i for i, s in enumerate(seqs) if s.num_new == 1]
         groups = _length_groups(self.decode_rows, [s.start for s in seqs])
         self.decode = {key: [self._gather([seqs[i] for i in g], *key) for g in groups]
                        for key in self._windows}
         self.decode_groups = [torch.tensor([offsets[i] for i in g], device=self.device)
                               for g in groups]
         self.all_decode = len(self.decode_rows) == len(seqs) and len(groups) == 1
-        self.prefill = {
-            key: [self._gather([seqs[i]], *key) for i in self.prefill_rows]
-            for key in self._windows
-        }
 
     def _write_slots(self, spec: str, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pages = []
@@ -198,13 +220,24 @@ class PagedAttention:
         key = (b.spec, b.window)
         if self.kernels:
             self.kernels.store_kv(cache, k, v, pages, offs)
-            return self.kernels.paged_attention(q, cache, *self.ranges[key], self.scale)
+            dec = self.decode_index
+            if dec is None:  # no prefill chunk: every row to the kernel
+                return self.kernels.paged_attention(q, cache, *self.ranges[key], self.scale)
+            out = torch.empty_like(q)
+            if len(dec):
+                out[dec] = self.kernels.paged_attention(q[dec], cache, *self.ranges[key],
+                                                        self.scale)
+            return self._prefill_into(out, cache, q, key)
         cache[pages, :, offs] = torch.stack((k, v), dim=1).to(cache.dtype)
         if self.all_decode:  # rows are the sequences, in one group: no scatter needed
             return self._decode(cache, self.decode[key][0], q)
         out = torch.empty_like(q)
         for rows, g in zip(self.decode_groups, self.decode[key]):
             out[rows] = self._decode(cache, g, q[rows])
+        return self._prefill_into(out, cache, q, key)
+
+    def _prefill_into(self, out: torch.Tensor, cache: torch.Tensor, q: torch.Tensor,
+                      key: tuple[str, int]) -> torch.Tensor:
         for i, g in zip(self.prefill_rows, self.prefill[key]):
             rows = slice(self.row_start[i], self.row_start[i + 1])
             out[rows] = self._prefill(cache, g, q[rows][None])[0]
