@@ -39,6 +39,13 @@ def test_packed_linears_against_float32(tokens: int) -> None:
     assert out.dtype == torch.bfloat16 and rel_err(out, want) < 0.01
 
 
+@pytest.mark.parametrize("kind", ["fp16", "q8", "int8"])
+def test_a_step_that_samples_nothing_runs_the_head_on_zero_rows(kind: str) -> None:
+    """A prefill chunk that does not finish its prompt gives the LM head no rows."""
+    w = torch.randn(300, 640) * 0.05
+    assert quantized(w, kind)(torch.randn(0, 640)).shape == (0, 300)
+
+
 def test_auto_keeps_what_the_file_ships_without_losing_quality() -> None:
     expect = "none" if bf16_native() else "q8" if cpu_kernels() is not None else "fp16"
     assert resolve_quantization("auto", CPU, GGUF_TYPES) == expect

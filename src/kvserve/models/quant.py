@@ -115,7 +115,7 @@ class Q8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         k = cpu_kernels()
-        if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and k is not None:
+        if x.dim() == 2 and 0 < x.shape[0] <= SMALL_BATCH and k is not None:
             y = k.q8_matmul(x.float().contiguous(), self.q, self.d)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
         return self.batch(x)
