@@ -105,6 +105,21 @@ class ModelRunner:
         if isinstance(self.attn, VirtualAttention):
             self.attn.retain(r.request_id for r in running)  # type: ignore[attr-defined]
 
+    @property
+    def releases_memory(self) -> bool:
+        """Whether `trim` can give memory back: the paged pool is allocated once."""
+        return isinstance(self.attn, VirtualAttention)
+
+    def vtensor_stats(self) -> dict[str, int] | None:
+        """The vTensor memory (`VirtualAttention.stats`), or None under the paged pool."""
+        return self.attn.stats() if isinstance(self.attn, VirtualAttention) else None
+
+    def trim(self, idle_s: float) -> int:
+        """Give back KV memory unused for `idle_s` seconds; returns the bytes punched."""
+        if isinstance(self.attn, VirtualAttention):
+            return self.attn.trim(idle_s)
+        return 0
+
     def release(self, request_id: str) -> None:
         """A request finished or was aborted: its vTensors go (the paged pool needs nothing)."""
         if isinstance(self.attn, VirtualAttention):

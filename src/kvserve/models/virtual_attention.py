@@ -313,6 +313,7 @@ class VirtualAttention:
             "prefix_nodes": sum(s.prefix_nodes for s in per_layer),
             "shared_chunks": sum(1 for n in holders.values() if n > 1),
             "chunk_bytes": self.chunks.chunk_bytes,
+            "capacity_bytes": self.chunks.chunk_bytes * self.chunks.backend.num_chunks,
         }
 
     def close(self) -> None:
