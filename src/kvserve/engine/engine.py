@@ -27,6 +27,7 @@ from kvserve.memory import KVCacheManager
 from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.loader import open_model
 from kvserve.models.quant import resolve_quantization
+from kvserve.models.virtual_attention import chunk_bytes_of, core_budget
 
 GiB = 1 << 30
 PromptInput = str | dict | Sequence[int]
@@ -133,12 +134,19 @@ class LLMEngine:
     def __init__(self, model: Gemma3ForCausalLM, tokenizer, cfg: EngineConfig) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         config = self.config = model.config
-        specs, bindings, shape = attention_specs(config, model.dtype)
+        vtensor = cfg.kv_backend == "vtensor"
+        specs, bindings, shape = attention_specs(config, model.dtype, full_history=vtensor)
+        kv_bytes = resolve_kv_bytes(cfg.kv_memory, model.device)
+        # Under vtensor kv_bytes is the physical ceiling; the core admits a share of it.
+        core_bytes = kv_bytes if not vtensor else core_budget(
+            kv_bytes, len(bindings), chunk_bytes_of(shape, cfg.tokens_per_page),
+            shape.bytes_per_token() * cfg.tokens_per_page, cfg.max_num_seqs)
         self.kv = KVCacheManager(
-            specs, resolve_kv_bytes(cfg.kv_memory, model.device), cfg.tokens_per_page,
+            specs, core_bytes, cfg.tokens_per_page,
             policy=cfg.policy, enable_caching=cfg.enable_prefix_caching,
         )
-        self.runner = ModelRunner(self.model, self.kv, bindings, shape, cfg.kv_backend)
+        self.runner = ModelRunner(self.model, self.kv, bindings, shape, cfg.kv_backend,
+                                  kv_bytes)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sampler = Sampler()
         self.max_model_len = min(cfg.max_model_len or config.max_position_embeddings,
