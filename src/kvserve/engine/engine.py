@@ -64,7 +64,10 @@ def check_idle_release(seconds: object) -> float:
     sooner would turn the next turn's prefix hit into a recompute of the whole
     conversation, while an engine left idle for a minute has likely lost that
     conversation anyway and its memory is better returned to the host. 0 gives
-    memory back as soon as no request uses it.
+    memory back as soon as no request uses it. Both sides, measured on Gemma 3
+    270M (float32, one AVX2 EPYC thread): a 1,000-token conversation holds
+    38 MiB of vTensor chunks; its next turn (+40 tokens) took 0.3 s with them
+    and 4.1 s after they were given back (the whole history recomputed).
     """
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
         raise ValueError(f"kv_idle_release_s must be a number of seconds, got {seconds!r}")
