@@ -10,7 +10,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="GGUF file or HF directory (default: the packaged Gemma 3 270M)")
     p.add_argument("--kv-memory", default=None,
-                   help="KV pool: bytes ('2G', '512M') or a fraction of free memory ('0.3')")
+                   help="KV pool: bytes ('2G', '512M') or a fraction of free memory ('0.3'); "
+                        "under --kv-backend vtensor a ceiling, taken as used and given back")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 where the device computes it natively, else float32")
     p.add_argument("--quantization", default="auto",
