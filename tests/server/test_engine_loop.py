@@ -32,6 +32,12 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def idle_poll_s(self) -> float | None:
+        return None  # the paged pool: nothing to give back
+
+    def maybe_release_idle(self, now: float) -> int:
+        return 0
+
     def abort_request(self, rid: str) -> None:
         self.requests.pop(rid)
         self.aborted.append(rid)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -26,9 +27,11 @@ from kvserve.memory import KVCacheManager
 from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.loader import open_model
 from kvserve.models.quant import resolve_quantization
+from kvserve.models.virtual_attention import chunk_bytes_of, core_budget
 
 GiB = 1 << 30
 PromptInput = str | dict | Sequence[int]
+DEFAULT_IDLE_RELEASE_S = 60.0  # see check_idle_release
 
 
 @dataclass
@@ -45,9 +48,32 @@ class EngineConfig:
     policy: str = "jenga"
     quantization: str = "auto"  # auto | none | int8: see models/quant.py
     kv_backend: str = "paged"  # paged | vtensor: where KV data lives, see engine/runner.py
+    # vtensor: KV memory unused this long goes back to the OS; see check_idle_release.
+    kv_idle_release_s: float = DEFAULT_IDLE_RELEASE_S
 
     def __post_init__(self) -> None:
         check_kv_backend(self.kv_backend)  # before a model is loaded for nothing
+        self.kv_idle_release_s = check_idle_release(self.kv_idle_release_s)
+
+
+def check_idle_release(seconds: object) -> float:
+    """Seconds >= 0 (math.inf: never) after which unused vTensor KV memory is given back.
+
+    The default, 60 s, sits above a multi-turn chat's think time (a user reads
+    and types for some tens of seconds between turns): giving the memory back
+    sooner would turn the next turn's prefix hit into a recompute of the whole
+    conversation, while an engine left idle for a minute has likely lost that
+    conversation anyway and its memory is better returned to the host. 0 gives
+    memory back as soon as no request uses it. Both sides, measured on Gemma 3
+    270M (float32, one AVX2 EPYC thread): a 1,000-token conversation holds
+    38 MiB of vTensor chunks; its next turn (+40 tokens) took 0.3 s with them
+    and 4.1 s after they were given back (the whole history recomputed).
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise ValueError(f"kv_idle_release_s must be a number of seconds, got {seconds!r}")
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"kv_idle_release_s must be >= 0 seconds (inf: never), got {seconds}")
+    return float(seconds)
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
@@ -111,12 +137,19 @@ class LLMEngine:
     def __init__(self, model: Gemma3ForCausalLM, tokenizer, cfg: EngineConfig) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         config = self.config = model.config
-        specs, bindings, shape = attention_specs(config, model.dtype)
+        vtensor = cfg.kv_backend == "vtensor"
+        specs, bindings, shape = attention_specs(config, model.dtype, full_history=vtensor)
+        kv_bytes = resolve_kv_bytes(cfg.kv_memory, model.device)
+        # Under vtensor kv_bytes is the physical ceiling; the core admits a share of it.
+        core_bytes = kv_bytes if not vtensor else core_budget(
+            kv_bytes, len(bindings), chunk_bytes_of(shape, cfg.tokens_per_page),
+            shape.bytes_per_token() * cfg.tokens_per_page, cfg.max_num_seqs)
         self.kv = KVCacheManager(
-            specs, resolve_kv_bytes(cfg.kv_memory, model.device), cfg.tokens_per_page,
+            specs, core_bytes, cfg.tokens_per_page,
             policy=cfg.policy, enable_caching=cfg.enable_prefix_caching,
         )
-        self.runner = ModelRunner(self.model, self.kv, bindings, shape, cfg.kv_backend)
+        self.runner = ModelRunner(self.model, self.kv, bindings, shape, cfg.kv_backend,
+                                  kv_bytes)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sampler = Sampler()
         self.max_model_len = min(cfg.max_model_len or config.max_position_embeddings,
@@ -124,6 +157,34 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, DetokState] = {}
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
+        self._next_release = 0.0  # monotonic time of the next idle-memory check
+
+    # ------------------------------------------------------------ idle memory
+
+    def idle_poll_s(self) -> float | None:
+        """How long an idle caller may block before `maybe_release_idle` has work (None: ever).
+
+        A quarter of the idle timeout: memory unused for `kv_idle_release_s`
+        is returned within 1.25 x that; the paged pool never gives memory back.
+        """
+        idle = self.cfg.kv_idle_release_s
+        if not self.runner.releases_memory or math.isinf(idle):
+            return None
+        return max(idle / 4, 0.01)
+
+    def maybe_release_idle(self, now: float | None = None) -> int:
+        """Give back KV memory unused for `kv_idle_release_s`; returns the bytes punched.
+
+        Cheap to call between any two steps: it does work at most once per
+        `idle_poll_s()`, and only drops what no running request maps (cached
+        vTensors and prefix chunks last used that long ago).
+        """
+        poll = self.idle_poll_s()
+        now = time.monotonic() if now is None else now
+        if poll is None or now < self._next_release:
+            return 0
+        self._next_release = now + poll
+        return self.runner.trim(self.cfg.kv_idle_release_s)
 
     # ---------------------------------------------------------------- requests
 

@@ -16,6 +16,8 @@ class LLM:
 
     kv_memory is the KV pool size: bytes (int) or a fraction of free memory.
     kv_backend: "paged" (default) or "vtensor" (contiguous virtual KV, plain SDPA).
+    kv_idle_release_s (an engine arg): under vtensor, KV memory unused this long goes
+    back to the OS when `generate` finds it (default 60 s; see EngineConfig).
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; one output per prompt, in order."""
+        self.engine.maybe_release_idle()  # memory the previous calls left unused that long
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()

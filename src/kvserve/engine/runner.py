@@ -15,19 +15,24 @@ from kvserve.engine.scheduler import Scheduled
 from kvserve.memory import KVCacheManager, KVSpec, LayerKind
 from kvserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from kvserve.models.paged_attention import LayerBinding, PagedAttention, SeqStep
-from kvserve.models.virtual_attention import VirtualAttention, VirtualSeq, capacity_for
+from kvserve.models.virtual_attention import VirtualAttention, VirtualSeq
 from kvserve.physical.pool import AttentionShape, KVPool
 
 
 def attention_specs(
-    config: Gemma3Config, dtype: torch.dtype
+    config: Gemma3Config, dtype: torch.dtype, full_history: bool = False
 ) -> tuple[list[KVSpec], list[LayerBinding], AttentionShape]:
-    """The model's KV specs (one per layer type) and where each layer lives in them."""
+    """The model's KV specs (one per layer type) and where each layer lives in them.
+
+    With `full_history` (the vtensor backend, which keeps every layer's whole
+    history) every layer is accounted as full attention; bindings keep their
+    windows, which attention still applies.
+    """
     shape = AttentionShape(config.num_key_value_heads, config.head_dim, dtype)
     bindings, counts = [], {"full": 0, "sliding": 0}
     for i in range(config.num_hidden_layers):
-        name = "sliding" if config.is_sliding(i) else "full"
-        window = config.sliding_window if name == "sliding" else 0
+        name = "sliding" if config.is_sliding(i) and not full_history else "full"
+        window = config.sliding_window if config.is_sliding(i) else 0
         bindings.append(LayerBinding(name, counts[name], window))
         counts[name] += 1
     bpt = shape.bytes_per_token()
@@ -54,8 +59,9 @@ def check_kv_backend(name: str) -> str:
 class ModelRunner:
     def __init__(
         self, model: Gemma3ForCausalLM, kv: KVCacheManager, bindings: Sequence[LayerBinding],
-        shape: AttentionShape, kv_backend: str = "paged",
+        shape: AttentionShape, kv_backend: str = "paged", kv_bytes: int | None = None,
     ) -> None:
+        """`kv_bytes`: the vtensor pool's physical ceiling (default: the memory core's pool)."""
         self.model = model
         self.kv = kv
         self.kv_backend = check_kv_backend(kv_backend)
@@ -66,8 +72,7 @@ class ModelRunner:
             self.pool = None
             windows = [b.window for b in bindings]
             self.attn = VirtualAttention(
-                windows, shape, model.config.attn_scale, capacity_for(kv.pool_bytes, windows),
-                kv.T)
+                windows, shape, model.config.attn_scale, kv_bytes or kv.pool_bytes, kv.T)
         else:
             shapes = {spec.name: shape for spec in kv.layout.specs}
             self.pool = KVPool(kv.layout, kv.num_large_pages, shapes, model.device)
@@ -104,6 +109,21 @@ class ModelRunner:
         """The scheduler's running requests after a schedule: vTensors of the rest go."""
         if isinstance(self.attn, VirtualAttention):
             self.attn.retain(r.request_id for r in running)  # type: ignore[attr-defined]
+
+    @property
+    def releases_memory(self) -> bool:
+        """Whether `trim` can give memory back: the paged pool is allocated once."""
+        return isinstance(self.attn, VirtualAttention)
+
+    def vtensor_stats(self) -> dict[str, int] | None:
+        """The vTensor memory (`VirtualAttention.stats`), or None under the paged pool."""
+        return self.attn.stats() if isinstance(self.attn, VirtualAttention) else None
+
+    def trim(self, idle_s: float) -> int:
+        """Give back KV memory unused for `idle_s` seconds; returns the bytes punched."""
+        if isinstance(self.attn, VirtualAttention):
+            return self.attn.trim(idle_s)
+        return 0
 
     def release(self, request_id: str) -> None:
         """A request finished or was aborted: its vTensors go (the paged pool needs nothing)."""

@@ -10,7 +10,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="GGUF file or HF directory (default: the packaged Gemma 3 270M)")
     p.add_argument("--kv-memory", default=None,
-                   help="KV pool: bytes ('2G', '512M') or a fraction of free memory ('0.3')")
+                   help="KV pool: bytes ('2G', '512M') or a fraction of free memory ('0.3'); "
+                        "under --kv-backend vtensor a ceiling, taken as used and given back")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 where the device computes it natively, else float32")
     p.add_argument("--quantization", default="auto",
@@ -20,6 +21,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-backend", default="paged", choices=["paged", "vtensor"],
                    help="where KV data lives: paged (one fixed pool, paged attention) or "
                         "vtensor (per-request contiguous virtual tensors, plain SDPA; CPU)")
+    p.add_argument("--kv-idle-release-s", type=idle_seconds, default=None, metavar="SECONDS",
+                   help="vtensor: KV memory (cached prefixes) unused this long goes back to "
+                        "the OS; 'inf' never, 0 as soon as no request maps it (default 60: "
+                        "above a chat user's think time, so a next turn still hits its prefix)")
 
 
 def parse_memory(text: str | None) -> int | float | None:
@@ -34,10 +39,23 @@ def parse_memory(text: str | None) -> int | float | None:
     return value if value <= 1 else int(value)
 
 
+def idle_seconds(text: str) -> float:
+    """--kv-idle-release-s: seconds >= 0, or 'inf'; anything else is an argparse error."""
+    from kvserve.engine.engine import check_idle_release
+
+    try:
+        return check_idle_release(float(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
 def model_config(args: argparse.Namespace, **engine_args: Any) -> Any:
     """EngineConfig from the shared options plus a command's own settings."""
     from kvserve.engine.engine import EngineConfig
 
+    idle = getattr(args, "kv_idle_release_s", None)
+    if idle is not None:
+        engine_args.setdefault("kv_idle_release_s", idle)
     return EngineConfig(model=args.model, kv_memory=parse_memory(args.kv_memory),
                         dtype=args.dtype, quantization=args.quantization,
                         kv_backend=getattr(args, "kv_backend", "paged"), **engine_args)

@@ -48,7 +48,9 @@ from the widened step). The engine never skips a token whose KV the vTensor
 lacks, and a shared chunk is never written: matched chunks end at or before
 `start`, and a request resumed below what it already computed (a preemption)
 is released and created again, since its own chunks may have been recorded
-and mapped by others since. The price is a step larger than the scheduler's
+and mapped by others since. A hit that jumps past what a request in chunked
+prefill computed (another request computed the prefix meanwhile) is widened
+back the same way: its own vTensor lacks the gap. The price is a step larger than the scheduler's
 token budget by the gap: zero when the hit ends on a chunk boundary and both
 caches hold it, less than a chunk when it ends inside one, the whole hit only
 after the vTensor trees were trimmed under the memory core's cache; and
@@ -57,15 +59,16 @@ would need a hook inside `KVCacheManager.lookup`, which claims the hit's pages
 as it returns; recomputing keeps the memory core untouched.
 
 Physical capacity is a ceiling on a sparse memfd, not a reservation: memory
-is taken as chunks are mapped. It must cover what the memory core admits,
-and every layer here holds a request's whole history (sliding layers keep
-their full prefix; unmapping what left the window is left to do), so it is
-the KV budget scaled by layers / full-attention layers, plus headroom.
+is taken as chunks are mapped and punched back after `--kv-idle-release-s`.
+The ceiling is `--kv-memory` itself: the memfd is that size, so the process
+never holds more KV than that. Every layer here holds a request's whole
+history (sliding layers keep their full prefix; unmapping what left the
+window is left to do), so the memory core admits against it as if every layer
+were full attention, minus room for chunk rounding (`core_budget`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -171,13 +174,20 @@ class VirtualAttention:
             self.release(s.request_id)
             known = None
         if known is not None:
+            # The core's hit may jump past what this request computed (another request
+            # computed the prefix meanwhile): its own vTensor lacks the gap, recompute it.
+            self._widen(s, known)
             return
         hit = self._create(s.request_id, s.tokens[:s.start], s.max_tokens)
-        self.recomputed_tokens += s.start - hit
-        s.num_new += s.start - hit
-        s.start = hit
+        self._widen(s, hit)
         self.computed[s.request_id] = hit
         self.recorded[s.request_id] = hit // self.tokens_per_chunk
+
+    def _widen(self, s: VirtualSeq, have: int) -> None:
+        """Start the step at `have`, the tokens the vTensor holds, recomputing up to `s.start`."""
+        self.recomputed_tokens += s.start - have
+        s.num_new += s.start - have
+        s.start = have
 
     def _create(self, rid: str, prefix: Sequence[int], max_tokens: int) -> int:
         """Create in every layer; the layers' trees may disagree, so keep their common match."""
@@ -313,6 +323,7 @@ class VirtualAttention:
             "prefix_nodes": sum(s.prefix_nodes for s in per_layer),
             "shared_chunks": sum(1 for n in holders.values() if n > 1),
             "chunk_bytes": self.chunks.chunk_bytes,
+            "capacity_bytes": self.chunks.chunk_bytes * self.chunks.backend.num_chunks,
         }
 
     def close(self) -> None:
@@ -323,7 +334,28 @@ class VirtualAttention:
         self.chunks.backend.close()
 
 
-def capacity_for(kv_bytes: int, windows: Sequence[int]) -> int:
-    """The physical ceiling: the KV budget scaled to every layer holding full history, x2."""
-    full = sum(1 for w in windows if w == 0) or 1
-    return 2 * math.ceil(kv_bytes * len(windows) / full)
+def chunk_bytes_of(shape: AttentionShape, tokens_per_page: int) -> int:
+    """The backend's chunk: whole memory-core pages of tokens, at most `CHUNK_TARGET`."""
+    return chunk_bytes_for(shape.bytes_per_token() * tokens_per_page, CHUNK_TARGET)
+
+
+def core_budget(kv_bytes: int, num_layers: int, chunk_bytes: int, page_bytes: int,
+                max_seqs: int) -> int:
+    """The memory core's budget when `kv_bytes` is the vTensor pool's physical ceiling.
+
+    The core accounts every layer as full attention here (`attention_specs`
+    with `full_history`), as the vTensors hold every layer's whole history, so
+    its pages count the tokens the chunks hold. What it cannot see is chunk
+    rounding: a request's own KV starts and ends inside a chunk (a prefix hit
+    ending mid-chunk is recomputed into its own chunk), up to two chunks per
+    layer more than its pages. That slack is kept out of the core's budget for
+    as many requests as can run: `max_seqs`, or as many as hold one page per
+    layer each, whichever is fewer. Not covered: vTensor prefix trees trimmed
+    (idle release) under the core's cache while several requests share that
+    prefix at once; Extend then reclaims the vTensor caches, and a step that
+    still finds no chunk fails with OutOfPhysicalMemory.
+    """
+    slack = 2 * chunk_bytes * num_layers
+    by_seqs = kv_bytes - max_seqs * slack
+    by_pages = kv_bytes * page_bytes // (page_bytes + slack // num_layers)
+    return max(by_seqs, by_pages)

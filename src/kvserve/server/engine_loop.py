@@ -5,7 +5,8 @@ commands (add a group of requests, abort, take a metrics snapshot) in `inbox`; t
 engine thread applies them between steps, so every HTTP request that arrived
 during a step joins the next one (continuous batching). Outputs go back to each
 HTTP request's own asyncio queue with `call_soon_threadsafe`. With nothing to run
-the thread blocks on the inbox instead of spinning.
+the thread blocks on the inbox instead of spinning, waking every
+`engine.idle_poll_s()` (vtensor backend) to give idle KV memory back.
 
 Nothing a client sends may kill this thread: each command and each step is
 guarded; a failing step fails only the requests in flight and the loop goes on.
@@ -52,6 +53,7 @@ class EngineSnapshot:
     preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    vtensor: dict[str, int] | None = None  # VirtualAttention.stats(); None: paged backend
 
 
 @dataclass
@@ -183,7 +185,8 @@ class EngineLoop:
 
     def _iterate(self) -> bool:
         """Apply the commands that came in, then run one step; False once stopped."""
-        commands = self._drain(block=not self.engine.has_unfinished())
+        idle = not self.engine.has_unfinished()
+        commands = self._drain(block=idle, timeout=self.engine.idle_poll_s() if idle else None)
         if _STOP in commands:
             stopping = EngineFailure("the server is shutting down")
             for cmd in commands:
@@ -195,15 +198,32 @@ class EngineLoop:
             self._apply(cmd)
         if self.engine.has_unfinished():
             self._step()
+        self._release_idle()
         return True
 
-    def _drain(self, block: bool) -> list[_Command | object]:
-        commands = [self._inbox.get()] if block else []
+    def _drain(self, block: bool, timeout: float | None = None) -> list[_Command | object]:
+        """Every queued command; with `block`, wait for one first (at most `timeout` s)."""
+        commands: list[_Command | object] = []
+        if block:
+            try:
+                commands.append(self._inbox.get(timeout=timeout))
+            except queue.Empty:  # idle for a poll period: time to look at idle memory
+                return commands
         while True:
             try:
                 commands.append(self._inbox.get_nowait())
             except queue.Empty:
                 return commands
+
+    def _release_idle(self) -> None:
+        """Give back KV memory unused for --kv-idle-release-s (a no-op under the paged pool).
+
+        Called after every step and every idle wake-up; the engine rate-limits it.
+        """
+        try:
+            self.engine.maybe_release_idle(time.monotonic())
+        except Exception:
+            log.exception("releasing idle KV memory failed")
 
     @staticmethod
     def _apply(cmd: _Command) -> None:
@@ -243,6 +263,7 @@ class EngineLoop:
             kv=e.kv.stats(), preemptions=e.scheduler.num_preemptions,
             prompt_tokens=e.counters["prompt_tokens"],
             generation_tokens=e.counters["generation_tokens"],
+            vtensor=e.runner.vtensor_stats(),
         )
 
     def _step(self) -> None:

@@ -2,7 +2,7 @@
 
 Latency histograms are observed by the engine thread as requests progress.
 Everything read from the engine (queue lengths, KV bytes per layer type,
-cumulative token counters) comes from one `EngineSnapshot` taken per scrape in
+cumulative token counters, vTensor memory) comes from one `EngineSnapshot` taken per scrape in
 the engine thread: `kv.stats()` walks every page, so it runs once per scrape
 and never concurrently with a step.
 """
@@ -43,6 +43,7 @@ class EngineCollector(Collector):
         yield _gauge("kvserve_num_requests_running", "Requests in the running batch", s.running)
         yield _gauge("kvserve_num_requests_waiting", "Requests queued for admission", s.waiting)
         yield from _kv_families(s)
+        yield from _vtensor_families(s)
         yield _counter("kvserve_prefix_cache_queried_tokens",
                        "Prompt tokens looked up in the prefix cache", s.kv.queried_tokens)
         yield _counter("kvserve_prefix_cache_hit_tokens",
@@ -84,6 +85,26 @@ def _kv_families(s: EngineSnapshot) -> Iterator[Metric]:
     yield _gauge("kvserve_kv_pool_bytes", "Size of the KV pool", s.kv.pool_bytes)
     usage = s.kv.used / s.kv.pool_bytes if s.kv.pool_bytes else 0.0
     yield _gauge("kvserve_kv_usage_ratio", "Fraction of the KV pool held by requests", usage)
+
+
+VTENSOR_GAUGES = (
+    ("reserved_bytes", "Virtual address space the vTensors reserve (no memory behind it)"),
+    ("mapped_bytes", "Bytes of physical chunks mapped into vTensors; a prefix chunk shared "
+                     "by n requests counts n times"),
+    ("referenced_bytes", "Bytes of physical chunks someone holds (a request, a cached "
+                         "vTensor or a prefix-tree node), each chunk once"),
+    ("physical_bytes", "Memory the vTensor pool really holds (the memfd's allocated blocks); "
+                       "falls back after --kv-idle-release-s"),
+    ("capacity_bytes", "The physical ceiling (--kv-memory): never more is allocated"),
+)
+
+
+def _vtensor_families(s: EngineSnapshot) -> Iterator[Metric]:
+    """kvserve_vtensor_* gauges under --kv-backend vtensor; absent under the paged pool."""
+    if s.vtensor is None:
+        return
+    for key, doc in VTENSOR_GAUGES:
+        yield _gauge(f"kvserve_vtensor_{key}", doc, s.vtensor[key])
 
 
 class ServerMetrics:
