@@ -15,11 +15,11 @@ import argparse
 import pytest
 import torch
 from hf_reference import NEW_TOKENS, ledger_text
+from tiny_gemma import VOCAB, ByteTokenizer, tiny_gemma
 
 from kvserve.engine.engine import EngineConfig, LLMEngine
 from kvserve.engine.request import SamplingParams
 from kvserve.entrypoints.model_args import add_model_arguments, model_config
-from kvserve.models import Gemma3Config, Gemma3ForCausalLM
 from kvserve.models import virtual_attention as va
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -160,32 +160,9 @@ def test_kv_backend_flag_reaches_the_engine_config():
 
 # -------------------------------------------------------------- tiny model
 
-VOCAB = 300
-
-
-class ByteTokenizer:
-    def encode(self, text):
-        return [2] + [b + 3 for b in text.encode()]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(max(0, i - 3) % 256 for i in ids if i >= 3).decode(errors="replace")
-
-
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    cfg = Gemma3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention",
-                     "full_attention"],
-        max_position_embeddings=512, eos_token_ids=[1],
-    )
-    model = Gemma3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.5)
-    return model
+    return tiny_gemma()
 
 
 @pytest.fixture
