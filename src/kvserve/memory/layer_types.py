@@ -64,7 +64,7 @@ class RequestKV:
     prompt_len: int = 0  # tokens known at add_request
     # eviction key of everything it releases, instead of the step (ReusePoints.reuse_key)
     key: int | None = None
-    gap: int = 0  # steps since its prefix was last used (0: first seen)
+    gap: int = 0  # arrivals since its prefix was last used (0: first seen)
     loop: bool = False  # its prefix comes back at regular gaps: ReusePoints.reuse_key
     arrival: int = 0  # its place in arrival order: the clock of reuse gaps
     # per spec: (page, hash) of cached pages a reuse point needs; stamped at finish
@@ -101,7 +101,6 @@ class ReusePoints:
         # arrivals, not steps or admissions, are the trace's own reuse distances: they
         # stay the same when a queue builds up or requests are admitted out of order.
         self.seen: dict[Hashable, tuple[int, int, bool]] = {}
-        self.admitted = 0  # requests admitted so far: how long a deferred one waited
         self.protect: bool | None = None  # fixes the loop rule for lost prefixes (tests)
 
     def remember(self, r: RequestKV) -> None:

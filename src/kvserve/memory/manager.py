@@ -120,9 +120,10 @@ class KVCacheManager:
             for name, names in members.items()
         }
         self.reqs: dict[RequestId, RequestKV] = {}
-        self._waits: dict[RequestId, int] = {}  # deferred loop misses: admissions then
+        self._waits: dict[RequestId, int] = {}  # deferred loop misses: num_admitted then
         self.now = 0
         self._arrivals = 0
+        self.num_admitted = 0  # first allocations: how long a deferred loop miss waited
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -236,7 +237,7 @@ class KVCacheManager:
             # leaves out admissions the scheduler retried while memory was full.
             self.queried_tokens += len(r.tokens)
             self.hit_tokens += r.num_hit
-            self.reuse.admitted += 1
+            self.num_admitted += 1
         r.num_alloc = upto
         return True
 
@@ -289,10 +290,10 @@ class KVCacheManager:
         r = self._req(req_id)
         waits = self._waits
         if _loop_miss(r) and len(self.reqs) > 1 and not self._miss_fits(r, num_new_tokens):
-            since = waits.setdefault(req_id, self.reuse.admitted)
+            since = waits.setdefault(req_id, self.num_admitted)
             while len(waits) > self.reuse.limit:  # requests cancelled while they waited
                 del waits[next(iter(waits))]
-            if self.reuse.admitted - since < r.gap:
+            if self.num_admitted - since < r.gap:
                 return False
         waits.pop(req_id, None)
         return True

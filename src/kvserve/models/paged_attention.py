@@ -77,9 +77,10 @@ def _length_groups(rows: list[int], lengths: list[int], per_group: int = 16,
     return [ordered[i:i + size] for i in range(0, len(ordered), size)]
 
 
-def _first_key(s: SeqStep, window: int) -> int:
-    """The lowest key any query of the sequence's chunk sees (its first query's)."""
-    return max(0, s.start - window + 1) if window else 0
+def first_key(start: int, window: int) -> int:
+    """The lowest key any query of a chunk starting at `start` sees (its first query's;
+    HF's window counts the query itself)."""
+    return max(0, start - window + 1) if window else 0
 
 
 class PagedAttention:
@@ -172,7 +173,7 @@ class PagedAttention:
         rows = []
         for s in seqs:
             table = s.tables[spec][:-(-(s.start + s.num_new) // T)]
-            first = _first_key(s, window)
+            first = first_key(s.start, window)
             if min(table[first // T:]) < 0:
                 raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
             rows.append(table)
@@ -188,7 +189,7 @@ class PagedAttention:
         """Gather whole pages (one index per page, not per token); the mask trims them."""
         T = self.T
         q_len = max(s.num_new for s in group)
-        firsts = [_first_key(s, window) // T for s in group]
+        firsts = [first_key(s.start, window) // T for s in group]
         lasts = [-(-(s.start + s.num_new) // T) for s in group]
         P = max(last - first for first, last in zip(firsts, lasts))
         rows = []

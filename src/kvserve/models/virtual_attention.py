@@ -76,6 +76,7 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
+from kvserve.models.paged_attention import first_key
 from kvserve.physical.pool import AttentionShape
 from kvserve.physical.vtensor import (
     ChunkPool,
@@ -113,11 +114,6 @@ class _Plan:
     bias: dict[int, torch.Tensor | None] = field(default_factory=dict)  # None: decode
 
 
-def _first_key(start: int, window: int) -> int:
-    """The lowest key the step's first query sees (HF's window counts the query)."""
-    return max(0, start - window + 1) if window else 0
-
-
 def _bias(start: int, end: int, lo: int, window: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask [Q, end - lo]: causal, and inside the window; made once for all layers."""
     q = torch.arange(start, end)[:, None]
@@ -139,7 +135,8 @@ class VirtualAttention:
         self.scale = scale
         self.device = torch.device("cpu")
         bpt = shape.bytes_per_token()
-        chunk = chunk_bytes_for(bpt * tokens_per_page, chunk_target or CHUNK_TARGET)
+        chunk = (chunk_bytes_for(bpt * tokens_per_page, chunk_target) if chunk_target
+                 else chunk_bytes_of(shape, tokens_per_page))
         self.chunks = ChunkPool(CpuBackend(chunk, max(1, capacity_bytes // chunk)))
         self.pools = [VTensorPool(bpt, max_tokens=1, chunks=self.chunks,
                                   ahead_chunks=ahead_chunks) for _ in self.windows]
@@ -227,7 +224,7 @@ class VirtualAttention:
         for s in seqs:
             end = s.start + s.num_new
             plan = _Plan(slice(row, row + s.num_new), s.start, end,
-                         {w: _first_key(s.start, w) for w in set(self.windows)})
+                         {w: first_key(s.start, w) for w in set(self.windows)})
             for w, lo in plan.first_key.items():
                 plan.bias[w] = None if s.num_new == 1 else _bias(
                     s.start, end, lo, w, self.shape.dtype)
