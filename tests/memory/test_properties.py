@@ -44,6 +44,8 @@ def snapshot(mgr: KVCacheManager):
 
 
 class MemoryCore(RuleBasedStateMachine):
+    specs = SPECS
+
     @initialize(policy=st.sampled_from(["jenga", "jenga", "static", "max_page"]),
                 large_pages=st.integers(8, 40))
     def setup(self, policy, large_pages):
@@ -65,7 +67,7 @@ class MemoryCore(RuleBasedStateMachine):
     def write(self, rid, lo, hi):
         """Play the model runner: fill the slots of positions [lo, hi)."""
         r = self.mgr.reqs[rid]
-        for s, spec in enumerate(SPECS):
+        for s, spec in enumerate(self.specs):
             table = r.tables[s]
             if spec.kind in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED):
                 for pos in range(lo, hi):
@@ -85,7 +87,7 @@ class MemoryCore(RuleBasedStateMachine):
 
     def check_hit(self, rid, hit):
         r = self.mgr.reqs[rid]
-        for s, spec in enumerate(SPECS):
+        for s, spec in enumerate(self.specs):
             table = r.tables[s]
             if spec.kind in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED):
                 first = self.mgr.managers[s].window_start(hit)
@@ -168,7 +170,7 @@ class MemoryCore(RuleBasedStateMachine):
         for r in self.mgr.reqs.values():
             if r.num_alloc != r.num_computed:
                 continue
-            for s, spec in enumerate(SPECS):
+            for s, spec in enumerate(self.specs):
                 held = sum(1 for p in r.tables[s] if p != NO_PAGE)
                 if spec.kind is LayerKind.SLIDING:
                     assert held <= math.ceil(spec.window / T) + 1

@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from kvserve.memory.spec import Layout
 
@@ -130,7 +130,7 @@ class TwoLevelAllocator:
     """
 
     __slots__ = ("layout", "num_large", "specs", "owner", "assoc", "used", "emask", "ltime",
-                 "lstamp", "part", "free_large", "lru_large", "_pushes")
+                 "lstamp", "part", "free_large", "lru_large", "_pushes", "on_evict")
 
     def __init__(self, layout: Layout, num_large: int, partitioned: bool = False) -> None:
         if num_large <= 0:
@@ -155,6 +155,9 @@ class TwoLevelAllocator:
         # Unused large pages per partition: (time, push order, lp, stamp).
         self.lru_large = [LRUQueue() for _ in range(nparts)]
         self._pushes = itertools.count()
+        # Called as on_evict(s, pids) just before cached pages lose their KV (their
+        # hash, last and plen still readable): a lower tier may keep a copy.
+        self.on_evict: Callable[[int, list[int]], None] | None = None
 
     # ---------------------------------------------------------------- queries
 
@@ -401,6 +404,8 @@ class TwoLevelAllocator:
         sp = self.specs[s]
         base = lp * sp.k
         hashes, cached, stamp = sp.hash, sp.cached, sp.stamp
+        if self.on_evict is not None:
+            self.on_evict(s, [p for p in range(base, base + sp.k) if hashes[p] is not None])
         for pid in range(base, base + sp.k):
             h = hashes[pid]
             if h is not None:
@@ -464,6 +469,8 @@ class TwoLevelAllocator:
             if self.used[lp] == 0:
                 skipped.append(entry)
                 continue
+            if self.on_evict is not None:
+                self.on_evict(s, [pid])
             self._uncache(sp, pid)
             sp.n_evictable -= 1
             sp.n_used += 1
@@ -496,6 +503,12 @@ class TwoLevelAllocator:
                         sp.holes[lp] = None
                 used[lp] += 1
             ref[pid] += 1
+
+    def unclaim(self, s: int, pids: Sequence[int]) -> None:
+        """Undo claim(s, pids): the pages keep the eviction keys they had."""
+        last = self.specs[s].last
+        for pid in pids:
+            self.free(s, [pid], last[pid])
 
     def free(self, s: int, pids: Sequence[int], now: int) -> None:
         """Drop one reference per page; last users leave pages evictable or empty.
@@ -645,6 +658,28 @@ class TwoLevelAllocator:
                     self.lstamp[lp] += 1
                     entry = (now, next(self._pushes), lp, self.lstamp[lp])
                     self.lru_large[self.part[s]].push(entry)
+
+    def evict(self, m: int) -> int:
+        """Evict up to m unused large pages per partition, least recently used first, onto
+        the free list (a swap-out ahead of need); returns how many cached pages went."""
+        before = sum(len(sp.cached) for sp in self.specs)
+        for p, free in enumerate(self.free_large):
+            free.extend(self._evict_lru_large(p, m))
+        return before - sum(len(sp.cached) for sp in self.specs)
+
+    def discard(self, s: int, pids: Sequence[int], now: int) -> None:
+        """Forget the cached KV of pages (a delete): unused ones become empty, used ones
+        stay with their users and become empty when freed."""
+        sp = self.specs[s]
+        for pid in pids:
+            if sp.hash[pid] is None:
+                continue
+            unused = sp.ref[pid] == 0
+            if unused:
+                self.claim(s, [pid])
+            self._uncache(sp, pid)
+            if unused:
+                self.free(s, [pid], now)
 
     def forget_request(self, req: RequestId) -> None:
         """The request is gone: its large pages' empty pages serve anyone now."""

@@ -35,7 +35,7 @@ Prefix lengths `p`, `q` here are in blocks of T tokens.
 from __future__ import annotations
 
 import random
-from collections.abc import Hashable, Sequence
+from collections.abc import Container, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.memory.allocator import DEAD, RequestId, TwoLevelAllocator
@@ -61,6 +61,7 @@ class RequestKV:
     released: list[int] = field(default_factory=list)  # per spec: leading blocks let go
     pending: list[list[tuple[int, int]]] = field(default_factory=list)  # per spec
     num_hit: int = 0  # prefix tokens taken from the cache
+    num_host_hit: int = 0  # of them, tokens loaded from the host tier
     prompt_len: int = 0  # tokens known at add_request
     # eviction key of everything it releases, instead of the step (ReusePoints.reuse_key)
     key: int | None = None
@@ -202,8 +203,17 @@ class SpecManager:
         """Every prefix length (in blocks, >= 1) this spec can serve."""
         raise NotImplementedError
 
-    def longest_hit(self, r: RequestKV, p: int) -> int:
-        """The longest prefix q <= p this spec can serve from the cache."""
+    def longest_hit(self, r: RequestKV, p: int, cached: Container | None = None) -> int:
+        """The longest prefix q <= p this spec can serve from the cache (or from
+        `cached`, the block keys of several tiers)."""
+        raise NotImplementedError
+
+    # Specs whose cached pages a lower tier keeps: the text stream and Mamba states.
+    # Image pages are re-encoded instead (their hits need no prefix to match).
+    swappable = True
+
+    def hit_keys(self, r: RequestKV, q: int) -> list[Hashable]:
+        """Block keys of the cached pages claim_hit(r, q) takes."""
         raise NotImplementedError
 
     def claim_hit(self, r: RequestKV, q: int) -> None:
@@ -279,8 +289,10 @@ class TextStream(SpecManager):
             if all(is_hit[b] for b in range(self._first_block(q), q))
         }
 
-    def longest_hit(self, r: RequestKV, p: int) -> int:
-        cached, hashes = self.alloc.specs[self.s].cached, r.hashes
+    def longest_hit(self, r: RequestKV, p: int, cached: Container | None = None) -> int:
+        hashes = r.hashes
+        if cached is None:
+            cached = self.alloc.specs[self.s].cached
         if self.spec.kind is LayerKind.FULL:  # every block counts: the first miss ends it
             for b in range(p):
                 if hashes[b] not in cached:
@@ -297,6 +309,9 @@ class TextStream(SpecManager):
                 q = b
                 b = q - 1
         return q
+
+    def hit_keys(self, r: RequestKV, q: int) -> list[Hashable]:
+        return r.hashes[self._first_block(q):q]
 
     def claim_hit(self, r: RequestKV, q: int) -> None:
         first = self._first_block(q)
@@ -401,12 +416,17 @@ class MambaState(SpecManager):
         m = self._every()
         return {q for q in range(m, len(is_hit) + 1, m) if is_hit[q - 1]}
 
-    def longest_hit(self, r: RequestKV, p: int) -> int:
-        cached, m = self.alloc.specs[self.s].cached, self._every()
+    def longest_hit(self, r: RequestKV, p: int, cached: Container | None = None) -> int:
+        m = self._every()
+        if cached is None:
+            cached = self.alloc.specs[self.s].cached
         q = p - p % m
         while q > 0 and r.hashes[q - 1] not in cached:
             q -= m
         return q
+
+    def hit_keys(self, r: RequestKV, q: int) -> list[Hashable]:
+        return [r.hashes[q - 1]] if q else []
 
     def claim_hit(self, r: RequestKV, q: int) -> None:
         if q == 0:
@@ -507,8 +527,13 @@ class ImageCache(SpecManager):
         # without invalidating any text prefix.
         return set(range(1, len(is_hit) + 1))
 
-    def longest_hit(self, r: RequestKV, p: int) -> int:
+    def longest_hit(self, r: RequestKV, p: int, cached: Container | None = None) -> int:
         return p
+
+    swappable = False
+
+    def hit_keys(self, r: RequestKV, q: int) -> list[Hashable]:
+        return []
 
     def _ensure_table(self, r: RequestKV) -> list[int]:
         table = r.tables[self.s]

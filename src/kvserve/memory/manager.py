@@ -8,17 +8,20 @@ Life of a request:
     advance(id, n)                    their KV is written: cache full blocks,
                                       release pages that left a window
     finish(id) / abort(id)            pages become evictable cache or empty
+    flush(copy)                       with a host tier: make the copies the
+                                      step's evictions and host hits need
 The clock that orders LRU eviction is the engine step: call begin_step()
 once per step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Hashable, Sequence
 from dataclasses import dataclass
 
 from kvserve.memory.allocator import OutOfPages, RequestId, TwoLevelAllocator
 from kvserve.memory.baselines import POLICIES, policy_layout
+from kvserve.memory.host_tier import Copier, HostStats, HostTier
 from kvserve.memory.layer_types import (
     RequestKV,
     ReusePoints,
@@ -28,6 +31,22 @@ from kvserve.memory.layer_types import (
 )
 from kvserve.memory.prefix_cache import ImageInput, extend_block_hashes
 from kvserve.memory.spec import KVSpec, LayerKind, Layout
+
+# worth_loading(prompt tokens, device hit tokens, hit tokens with the host tier, bytes to
+# load) -> whether to load them (MemServe Eq. 2) rather than recompute
+LoadRule = Callable[[int, int, int, int], bool]
+
+
+class Either(Container):
+    """Block keys cached in either of two tiers."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Container, b: Container) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, h: Hashable) -> bool:
+        return h in self.a or h in self.b
 
 
 @dataclass
@@ -50,6 +69,7 @@ class Stats:
     specs: list[SpecStats]
     queried_tokens: int
     hit_tokens: int
+    host: HostStats | None = None  # the host tier, if there is one
 
     @property
     def used(self) -> int:
@@ -83,7 +103,12 @@ class KVCacheManager:
         tokens_per_page: int = 16,
         policy: str = "jenga",
         enable_caching: bool = True,
+        host_bytes: int = 0,
+        worth_loading: LoadRule | None = None,
     ) -> None:
+        """`host_bytes`: a host tier of that size keeps what the device pool evicts;
+        `worth_loading` decides, per lookup, whether loading from it beats recomputing
+        (default: always)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
         self.model_specs = tuple(specs)
@@ -99,6 +124,15 @@ class KVCacheManager:
         self.T = tokens_per_page
         self.enable_caching = enable_caching
         self.alloc = TwoLevelAllocator(self.layout, num_large, partitioned)
+        self.host: HostTier | None = None
+        if host_bytes and enable_caching:
+            num_host = host_bytes // self.layout.large_page_bytes
+            if num_host < (len(self.layout.specs) if partitioned else 1):
+                raise ValueError(f"host tier of {host_bytes} B holds no large page of "
+                                 f"{self.layout.large_page_bytes} B per partition")
+            self.host = HostTier(self.layout, num_host, partitioned)
+            self.alloc.on_evict = self._write_back
+        self.worth_loading = worth_loading
         self.managers: list[SpecManager] = [
             make_spec_manager(s, spec, self.alloc, self.T)
             for s, spec in enumerate(self.layout.specs)
@@ -178,6 +212,8 @@ class KVCacheManager:
             extend_block_hashes(r.hashes, r.tokens, self.T, r.images)
             p = (len(r.tokens) - 1) // self.T
             q = self._longest_common_hit(r, p)
+            if self.host is not None and q < p:
+                q = self._load_from_host(r, p, q)
             self._mark_reuse(r, p, q)
             r.key = self.reuse.reuse_key(r, p, q, self.now)
         for m in self.managers:
@@ -194,15 +230,90 @@ class KVCacheManager:
         if d > q:
             self.reuse.mark(r.hashes[d - 1])
 
-    def _longest_common_hit(self, r: RequestKV, p: int) -> int:
-        """Intersect every spec's possible prefixes: shrink p to a fixed point."""
+    def _longest_common_hit(self, r: RequestKV, p: int, tiers: bool = False) -> int:
+        """Intersect every spec's possible prefixes: shrink p to a fixed point.
+        With `tiers`, a block counts as cached on the device or in the host tier."""
+        views = [Either(m.alloc.specs[m.s].cached, self.host.cached(m.s)) if tiers
+                 and m.swappable else None for m in self.managers]
         while True:
             q = p
-            for m in self.managers:
-                q = m.longest_hit(r, q)
+            for m, view in zip(self.managers, views):
+                q = m.longest_hit(r, q, view)
             if q == p:
                 return q
             p = q
+
+    # ------------------------------------------------------------- host tier
+
+    def _write_back(self, s: int, pids: list[int]) -> None:
+        """The allocator evicts cached pages of spec s: the host tier keeps them."""
+        if not self.managers[s].swappable:
+            return
+        sp, store = self.alloc.specs[s], self.host.store
+        for pid in pids:
+            store(s, pid, sp.hash[pid], sp.plen[pid], sp.last[pid])
+
+    def _load_from_host(self, r: RequestKV, p: int, q: int) -> int:
+        """Extend a device hit of q blocks with pages from the host tier; the new hit.
+
+        The pages the longer hit needs that only the host holds get device
+        pages now (logged copies, made by the next flush) and are cached there,
+        so claim_hit takes them like any other. Their sources and the device
+        pages of the hit are pinned first: the allocation may evict, and an
+        eviction may push the host tier's oldest pages out. If the device
+        cannot hold them, or `worth_loading` says recompute, q stands.
+        """
+        u = self._longest_common_hit(r, p, tiers=True)
+        if u <= q:
+            return q
+        host, now = self.host, self.now
+        plan, pinned = [], []
+        for m in self.managers:
+            cached = self.alloc.specs[m.s].cached
+            keys = m.hit_keys(r, u)
+            here = [cached[h] for h in keys if h in cached]
+            self.alloc.claim(m.s, here)
+            pinned.append((m.s, here))
+            missing = [h for h in keys if h not in cached]
+            plan.append((m.s, missing, [host.pin(m.s, h) for h in missing]))
+        nbytes = sum(len(hs) * self.layout.page_bytes[s] for s, hs, _ in plan)
+        pages = None
+        if self.worth_loading is None or self.worth_loading(len(r.tokens), q * self.T,
+                                                            u * self.T, nbytes):
+            try:
+                pages = self.alloc.allocate(r.req_id, [(s, len(hs)) for s, hs, _ in plan])
+            except OutOfPages:
+                pass
+        for (s, hs, hps), pids in zip(plan, pages or [[]] * len(plan)):
+            plen = host.alloc.specs[s].plen
+            for h, hp, pid in zip(hs, hps, pids):
+                self.alloc.insert(s, pid, h, plen[hp])
+                host.load(s, hp, pid)
+            if pages is None:
+                for hp in hps:
+                    host.unpin(s, hp)
+            self.alloc.free(s, pids, now)  # cached now: claim_hit takes them
+        for s, here in pinned:
+            self.alloc.unclaim(s, here)
+        if pages is None:
+            return q
+        r.num_host_hit = (u - q) * self.T
+        return u
+
+    def flush(self, copy: Copier) -> int:
+        """Make the copies between the tiers logged since the last flush (the engine
+        calls it before each forward, the first moment their data is needed)."""
+        return self.host.flush(copy, self.now) if self.host is not None else 0
+
+    def swap_out(self, num_pages: int) -> int:
+        """Write up to about num_pages cached device pages (least recently used large
+        pages first) to the host tier and free them; returns the pages written."""
+        if self.host is None:
+            return 0
+        before = self.host.pages_out
+        while self.host.pages_out - before < num_pages and self.alloc.evict(1):
+            pass
+        return self.host.pages_out - before
 
     def allocate_slots(self, req_id: RequestId, num_new_tokens: int) -> bool:
         """Give the next `num_new_tokens` tokens slots; False (and no change) if full."""
@@ -238,6 +349,8 @@ class KVCacheManager:
             self.queried_tokens += len(r.tokens)
             self.hit_tokens += r.num_hit
             self.num_admitted += 1
+            if r.num_host_hit:
+                self.host.hit_tokens += r.num_host_hit
         r.num_alloc = upto
         return True
 
@@ -367,7 +480,9 @@ class KVCacheManager:
             out.append(SpecStats(m.spec.name, pb, used, (sp.n_evictable + idle + held) * pb,
                                  empty, need, used + empty - need))
         free = self.alloc.num_free_large() * self.layout.large_page_bytes
-        return Stats(self.policy, self.pool_bytes, free, out, self.queried_tokens, self.hit_tokens)
+        host = self.host.stats() if self.host is not None else None
+        return Stats(self.policy, self.pool_bytes, free, out, self.queried_tokens,
+                     self.hit_tokens, host)
 
     def _ideal_by_model_spec(self) -> list[int]:
         out = []

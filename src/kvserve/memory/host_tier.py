@@ -1,0 +1,143 @@
+"""The host tier: cached pages the device pool evicts, kept in host memory.
+
+MemServe's MemPool spans HBM and DRAM. Here the device pool's allocator calls
+`store` for every cached page it is about to evict; the page is copied to a
+second pool in host memory instead of being forgotten, and a later lookup
+that finds the rest of a prefix there loads it back (`load`) and counts it as
+a hit. The host pool is a TwoLevelAllocator over the same layout, so every
+spec keeps its own page size (MemServe assumes one) and the host tier
+evicts by the same rules as the device: large pages LRU, ties longest prefix
+first, so a prefix's pages of every spec stored together leave together.
+A page keeps the eviction key it had on the device: a loop member's page
+(MRU keys) stays the first to go, and a page that serves no hit (DEAD) is
+never written at all.
+
+Copies are not made here (this package never touches bytes): `store` and
+`load` append to an ordered log that `flush` hands to the physical side in
+runs of one direction, one call per spec and run (block aggregation, §5.2).
+The engine flushes before each forward, the first moment the data is read
+or overwritten. Pages a logged copy reads or writes stay pinned (used) in
+the host pool until the flush, so no copy of the same flush can reuse them;
+a device page that is evicted, refilled and evicted again in one step shows
+up in the log in that order, and runs keep it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from kvserve.memory.allocator import DEAD, OutOfPages, TwoLevelAllocator
+from kvserve.memory.spec import Layout
+
+WRITER = "host-tier"  # the host pool's one request: write-backs fill large pages in turn
+
+# copy(to_host, spec, src pages, dst pages): move whole small pages of one spec
+Copier = Callable[[bool, int, list[int], list[int]], None]
+
+
+@dataclass
+class HostStats:
+    """Host-tier bytes per spec and what moved between the tiers."""
+
+    pool_bytes: int
+    spec_bytes: dict[str, int]  # cached (or in-flight) bytes per spec
+    pages_out: int = 0  # device -> host
+    pages_in: int = 0  # host -> device
+    bytes_out: int = 0
+    bytes_in: int = 0
+    hit_tokens: int = 0  # prompt tokens served from pages loaded from the host
+    dropped: int = 0  # evicted pages the host had no room for
+
+
+class HostTier:
+    """Index and allocator of the host pool, and the log of copies to make."""
+
+    def __init__(self, layout: Layout, num_large: int, partitioned: bool = False) -> None:
+        self.layout = layout
+        self.alloc = TwoLevelAllocator(layout, num_large, partitioned)
+        self.log: list[tuple[bool, int, int, int]] = []  # (to_host, spec, src, dst)
+        self.pinned: list[tuple[int, int, int | None]] = []  # (spec, page, key to free with)
+        self.pages_out = self.pages_in = self.bytes_out = self.bytes_in = 0
+        self.hit_tokens = 0
+        self.dropped = 0
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.alloc.num_large * self.layout.large_page_bytes
+
+    def cached(self, s: int) -> dict[Hashable, int]:
+        """Block key -> host page of spec s."""
+        return self.alloc.specs[s].cached
+
+    def store(self, s: int, device_page: int, h: Hashable, plen: int, key: int) -> bool:
+        """Copy an evicted device page here under its key; False if it is not kept."""
+        if key <= DEAD:  # serves no hit: not worth the copy
+            return False
+        hp = self.alloc.specs[s].cached.get(h)
+        if hp is not None:  # loaded earlier and still here: the same KV
+            self.alloc.touch(s, [hp], key)
+            return True
+        try:
+            [[hp]] = self.alloc.allocate(WRITER, [(s, 1)])
+        except OutOfPages:  # everything here is pinned by this step's copies
+            self.dropped += 1
+            return False
+        self.alloc.insert(s, hp, h, plen)
+        self.log.append((True, s, device_page, hp))
+        self.pinned.append((s, hp, key))
+        self.pages_out += 1
+        self.bytes_out += self.layout.page_bytes[s]
+        return True
+
+    def pin(self, s: int, h: Hashable) -> int:
+        """The host page caching h, kept until the next flush (a load's source)."""
+        hp = self.alloc.specs[s].cached[h]
+        self.alloc.claim(s, [hp])
+        return hp
+
+    def unpin(self, s: int, hp: int) -> None:
+        """Undo a pin whose load did not happen: nothing changes, not even the LRU."""
+        self.alloc.unclaim(s, [hp])
+
+    def load(self, s: int, hp: int, device_page: int) -> None:
+        """Log the copy of pinned host page hp into device_page."""
+        self.log.append((False, s, hp, device_page))
+        self.pinned.append((s, hp, None))
+        self.pages_in += 1
+        self.bytes_in += self.layout.page_bytes[s]
+
+    def flush(self, copy: Copier, now: int) -> int:
+        """Make every logged copy, in order, one call per run and spec; returns the pages.
+
+        Then the pinned pages go back to the host pool: written pages as cache
+        under their device key, loaded ones as recently used.
+        """
+        log, self.log = self.log, []
+        try:
+            for to_host, run in itertools.groupby(log, key=lambda c: c[0]):
+                per_spec: dict[int, tuple[list[int], list[int]]] = {}
+                for _, s, src, dst in run:
+                    pair = per_spec.setdefault(s, ([], []))
+                    pair[0].append(src)
+                    pair[1].append(dst)
+                for s, (src, dst) in per_spec.items():
+                    copy(to_host, s, src, dst)
+        finally:
+            pinned, self.pinned = self.pinned, []
+            for s, hp, key in pinned:
+                self.alloc.free(s, [hp], now if key is None else key)
+        return len(log)
+
+    def discard(self, s: int, h: Hashable, now: int) -> None:
+        hp = self.alloc.specs[s].cached.get(h)
+        if hp is not None:
+            self.alloc.discard(s, [hp], now)
+
+    def stats(self) -> HostStats:
+        spec_bytes = {}
+        for spec, sp, pb in zip(self.layout.specs, self.alloc.specs, self.layout.page_bytes):
+            spec_bytes[spec.name] = (sp.n_used + sp.n_evictable) * pb
+        return HostStats(self.pool_bytes, spec_bytes, self.pages_out, self.pages_in,
+                         self.bytes_out, self.bytes_in, self.hit_tokens, self.dropped)
