@@ -28,6 +28,8 @@ from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.loader import open_model
 from kvserve.models.quant import resolve_quantization
 from kvserve.models.virtual_attention import chunk_bytes_of, core_budget
+from kvserve.physical.host import HostPool
+from kvserve.physical.mempool import MemPool
 
 GiB = 1 << 30
 PromptInput = str | dict | Sequence[int]
@@ -50,10 +52,24 @@ class EngineConfig:
     kv_backend: str = "paged"  # paged | vtensor: where KV data lives, see engine/runner.py
     # vtensor: KV memory unused this long goes back to the OS; see check_idle_release.
     kv_idle_release_s: float = DEFAULT_IDLE_RELEASE_S
+    # Host tier (MemServe's DRAM pool): bytes of host memory keeping what the KV pool
+    # evicts, 0 for none; optionally in a new file, so it can exceed RAM.
+    host_kv_memory: int = 0
+    host_kv_file: str | None = None
 
     def __post_init__(self) -> None:
         check_kv_backend(self.kv_backend)  # before a model is loaded for nothing
         self.kv_idle_release_s = check_idle_release(self.kv_idle_release_s)
+        if isinstance(self.host_kv_memory, bool) or not isinstance(self.host_kv_memory, int) \
+                or self.host_kv_memory < 0:
+            raise ValueError(f"host_kv_memory must be bytes >= 0, got {self.host_kv_memory!r}")
+        if self.host_kv_memory and self.kv_backend != "paged":
+            raise ValueError("the host tier needs kv_backend 'paged' (vtensor gives idle "
+                             "memory back instead)")
+        if self.host_kv_memory and not self.enable_prefix_caching:
+            raise ValueError("the host tier keeps cached prefixes: it needs prefix caching")
+        if self.host_kv_file is not None and not self.host_kv_memory:
+            raise ValueError("host_kv_file needs host_kv_memory")
 
 
 def check_idle_release(seconds: object) -> float:
@@ -147,9 +163,15 @@ class LLMEngine:
         self.kv = KVCacheManager(
             specs, core_bytes, cfg.tokens_per_page,
             policy=cfg.policy, enable_caching=cfg.enable_prefix_caching,
+            host_bytes=cfg.host_kv_memory,
         )
         self.runner = ModelRunner(self.model, self.kv, bindings, shape, cfg.kv_backend,
                                   kv_bytes)
+        host = None
+        if self.kv.host is not None:
+            host = HostPool(self.kv.layout, self.kv.host.alloc.num_large,
+                            pin=model.device.type == "cuda", path=cfg.host_kv_file)
+        self.mempool = MemPool(self.kv, self.runner.pool, host) if self.runner.pool else None
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sampler = Sampler()
         self.max_model_len = min(cfg.max_model_len or config.max_position_embeddings,
@@ -260,6 +282,8 @@ class LLMEngine:
             outputs.append(self._retire(req))
         if not batch:
             return outputs
+        if self.mempool is not None:
+            self.mempool.flush()  # evicted pages out to the host tier, host hits in
         logits = self.runner.execute(batch)
         sampled = [s for s in batch if s.completes_prompt]
         tokens = self.sampler.sample(

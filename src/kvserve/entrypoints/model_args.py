@@ -21,6 +21,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-backend", default="paged", choices=["paged", "vtensor"],
                    help="where KV data lives: paged (one fixed pool, paged attention) or "
                         "vtensor (per-request contiguous virtual tensors, plain SDPA; CPU)")
+    p.add_argument("--host-kv-memory", default=None, metavar="BYTES",
+                   help="host tier: bytes of host memory ('8G') keeping cached prefixes the KV "
+                        "pool evicts; a later hit loads them back instead of recomputing")
+    p.add_argument("--host-kv-file", default=None, metavar="PATH",
+                   help="back the host tier with a new file at PATH, so it may exceed RAM")
     p.add_argument("--kv-idle-release-s", type=idle_seconds, default=None, metavar="SECONDS",
                    help="vtensor: KV memory (cached prefixes) unused this long goes back to "
                         "the OS; 'inf' never, 0 as soon as no request maps it (default 60: "
@@ -56,6 +61,11 @@ def model_config(args: argparse.Namespace, **engine_args: Any) -> Any:
     idle = getattr(args, "kv_idle_release_s", None)
     if idle is not None:
         engine_args.setdefault("kv_idle_release_s", idle)
+    host = parse_memory(getattr(args, "host_kv_memory", None))
+    if isinstance(host, float):
+        raise ValueError("--host-kv-memory takes bytes ('8G'), not a fraction")
+    engine_args.setdefault("host_kv_memory", host or 0)
+    engine_args.setdefault("host_kv_file", getattr(args, "host_kv_file", None))
     return EngineConfig(model=args.model, kv_memory=parse_memory(args.kv_memory),
                         dtype=args.dtype, quantization=args.quantization,
                         kv_backend=getattr(args, "kv_backend", "paged"), **engine_args)

@@ -130,10 +130,12 @@ class HostTier:
                 self.alloc.free(s, [hp], now if key is None else key)
         return len(log)
 
-    def discard(self, s: int, h: Hashable, now: int) -> None:
+    def discard(self, s: int, h: Hashable, now: int) -> bool:
+        """Forget the page caching h, if any."""
         hp = self.alloc.specs[s].cached.get(h)
         if hp is not None:
             self.alloc.discard(s, [hp], now)
+        return hp is not None
 
     def stats(self) -> HostStats:
         spec_bytes = {}

@@ -446,6 +446,43 @@ class KVCacheManager:
             large += -(-pages // self.layout.pages_per_large[m.s])
         return large <= self.num_large_pages
 
+    # ------------------------------------------------ MemPool index (no claims)
+
+    def block_keys(self, tokens: Sequence[int]) -> list[Hashable]:
+        """The prefix-cache key of every full block of tokens."""
+        hashes: list[Hashable] = []
+        extend_block_hashes(hashes, tokens, self.T)
+        return hashes
+
+    def match(self, tokens: Sequence[int]) -> tuple[int, list[list[tuple[bool, int] | None]]]:
+        """The longest prefix of tokens every spec can serve from either tier, untaken:
+        (tokens, per spec and block of it (in host tier, page), None where the spec
+        needs no page: out of a window, between Mamba checkpoints)."""
+        r = RequestKV(None, tokens, (), hashes=self.block_keys(tokens))
+        q = self._longest_common_hit(r, len(r.hashes), tiers=self.host is not None)
+        out = []
+        for m in self.managers:
+            needed = set(m.hit_keys(r, q))
+            dev = self.alloc.specs[m.s].cached
+            host = self.host.cached(m.s) if self.host is not None else {}
+            out.append([None if h not in needed else (False, dev[h]) if h in dev
+                        else (True, host[h]) for h in r.hashes[:q]])
+        return q * self.T, out
+
+    def delete(self, tokens: Sequence[int]) -> int:
+        """Forget every cached block of tokens in both tiers; returns the pages forgotten.
+        Pages in use stay with their requests, uncached."""
+        n = 0
+        for h in self.block_keys(tokens):
+            for m in self.managers:
+                pid = self.alloc.specs[m.s].cached.get(h)
+                if pid is not None:
+                    self.alloc.discard(m.s, [pid], self.now)
+                    n += 1
+                if self.host is not None and self.host.discard(m.s, h, self.now):
+                    n += 1
+        return n
+
     # ------------------------------------------------------------ model runner
 
     def block_tables(self, req_id: RequestId) -> dict[str, list[int]]:

@@ -75,6 +75,15 @@ class KVPool:
         )
         return [typed[:, j] for j in range(spec.num_layers)]
 
+    def pages(self, s: int) -> torch.Tensor:
+        """[num_pages, page_bytes] bytes of spec s: one row holds a page of every layer."""
+        return page_rows(self.buffer, self.layout, s)
+
     def layer(self, spec_name: str, index: int) -> torch.Tensor:
         """[num_pages, 2, T, kv_heads, head_dim] view of one layer of one spec."""
         return self.views[spec_name][index]
+
+
+def page_rows(buffer: torch.Tensor, layout: Layout, s: int) -> torch.Tensor:
+    """A byte buffer of whole large pages seen as spec s's small pages, one per row."""
+    return buffer.view(-1, layout.page_bytes[s])

@@ -44,6 +44,7 @@ class EngineCollector(Collector):
         yield _gauge("kvserve_num_requests_waiting", "Requests queued for admission", s.waiting)
         yield from _kv_families(s)
         yield from _vtensor_families(s)
+        yield from _host_families(s)
         yield _counter("kvserve_prefix_cache_queried_tokens",
                        "Prompt tokens looked up in the prefix cache", s.kv.queried_tokens)
         yield _counter("kvserve_prefix_cache_hit_tokens",
@@ -105,6 +106,29 @@ def _vtensor_families(s: EngineSnapshot) -> Iterator[Metric]:
         return
     for key, doc in VTENSOR_GAUGES:
         yield _gauge(f"kvserve_vtensor_{key}", doc, s.vtensor[key])
+
+
+def _host_families(s: EngineSnapshot) -> Iterator[Metric]:
+    """The host tier (--host-kv-memory): absent without one."""
+    host = s.kv.host
+    if host is None:
+        return
+    held = GaugeMetricFamily("kvserve_host_kv_bytes",
+                             "Host-tier bytes holding cached KV pages", labels=["layer_type"])
+    for name, nbytes in host.spec_bytes.items():
+        held.add_metric([name], nbytes)
+    yield held
+    yield _gauge("kvserve_host_kv_pool_bytes", "Size of the host tier", host.pool_bytes)
+    for way, pages, nbytes in (("out", host.pages_out, host.bytes_out),
+                               ("in", host.pages_in, host.bytes_in)):
+        where = "device to host" if way == "out" else "host to device"
+        yield _counter(f"kvserve_kv_swap_{way}_pages", f"KV pages copied {where}", pages)
+        yield _counter(f"kvserve_kv_swap_{way}_bytes", f"KV bytes copied {where}", nbytes)
+    yield _counter("kvserve_prefix_cache_host_hit_tokens",
+                   "Prompt tokens served from pages loaded back from the host tier",
+                   host.hit_tokens)
+    yield _counter("kvserve_host_kv_dropped_pages",
+                   "Evicted pages the host tier had no room for", host.dropped)
 
 
 class ServerMetrics:
