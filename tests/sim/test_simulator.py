@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -12,7 +13,7 @@ from kvserve.sim.gpus import get_gpu
 from kvserve.sim.metrics import summary
 from kvserve.sim.models import get_model
 from kvserve.sim.simulator import OutOfMemory, SimConfig, simulate
-from kvserve.sim.traces import TraceRequest, load_trace
+from kvserve.sim.traces import TraceRequest, arxiv_qa, load_trace
 
 # Gemma 3 12B: 8 full + 40 sliding (window 1024) layers; prompts well past the window.
 GEMMA = "gemma-3-12b"
@@ -121,3 +122,23 @@ def test_shared_articles_hit_the_prefix_cache() -> None:
     # 8 questions on 2 articles: at most 6 requests find their article cached.
     assert 0.5 < s["hit_rate"] <= 6 / 8
     assert s["hit_rate"] == pytest.approx(s["lookup_hit_rate"])
+
+
+def test_a_host_tier_turns_evicted_articles_into_hits_and_costs_pcie_time() -> None:
+    trace = arxiv_qa(articles=8, questions=4, article_lo=6000, article_hi=8000, rate=2.0)
+    plain = simulate(trace, small_config("llama-3.1-8b", "jenga", kv_mib=1024))
+    tiered = simulate(trace, small_config("llama-3.1-8b", "jenga", kv_mib=1024,
+                                          host_bytes=8 << 30))
+    s0, s1 = summary(plain), summary(tiered)
+    assert s1["hit_rate"] > s0["hit_rate"] + 0.1
+    assert s1["host_hit_tokens"] > 0 and s1["swap_in_bytes"] > 0 and s1["swap_seconds"] > 0
+    assert s1["host_hit_share"] <= 1 and "host_bytes" not in s0
+    assert s1["mean_ttft_s"] < s0["mean_ttft_s"]
+
+
+def test_loads_that_cost_more_than_recompute_are_refused() -> None:
+    trace = arxiv_qa(articles=8, questions=4, article_lo=6000, article_hi=8000, rate=2.0)
+    cfg = small_config("llama-3.1-8b", "jenga", kv_mib=1024, host_bytes=8 << 30)
+    cfg.gpu = dataclasses.replace(cfg.gpu, pcie_bandwidth=1e6)  # 1 MB/s: never worth it
+    s = summary(simulate(trace, cfg))
+    assert s["host_hit_tokens"] == 0 and s["swap_in_bytes"] == 0 and s["swap_out_bytes"] > 0

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "without chunked prefill")
     p.add_argument("--gpu-utilization", type=float, default=0.9)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--host-memory", type=float, default=0.0, metavar="GB",
+                   help="a host tier of this many GB keeps what the KV pool evicts "
+                        "(loads and write-backs cost PCIe time)")
     p.add_argument("--mem-every", type=int, default=1,
                    help="record the memory core's stats every N steps")
 
@@ -75,6 +78,7 @@ def _config(args: argparse.Namespace, policy: str):
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_utilization=args.gpu_utilization, fp8_weights=fp8_weights, kv_dtype_bytes=kv_bytes,
         tp=args.tp, enable_caching=not args.no_prefix_caching, mem_every=args.mem_every,
+        host_bytes=int(args.host_memory * 1e9),
     )
 
 

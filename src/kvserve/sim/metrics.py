@@ -19,6 +19,7 @@ def summary(res: SimResult) -> dict:
     generated = sum(r.output_len for r in done)
     prompt = sum(r.prompt_len for r in admitted)
     decode_steps = [s.decode for s in res.steps if s.decode]
+    ttfts = sorted(r.first_token - r.arrival for r in done if r.first_token)
     return {
         "model": cfg.model.name,
         "gpu": cfg.gpu.name,
@@ -34,7 +35,9 @@ def summary(res: SimResult) -> dict:
         "total_tokens_per_s": (generated + prompt) / clock if clock else 0.0,
         "requests_per_s": len(done) / clock if clock else 0.0,
         "mean_latency_s": _mean([r.finish - r.arrival for r in done]),
-        "mean_ttft_s": _mean([r.first_token - r.arrival for r in done if r.first_token]),
+        "mean_ttft_s": _mean(ttfts),
+        "p50_ttft_s": _quantile(ttfts, 0.5),
+        "p99_ttft_s": _quantile(ttfts, 0.99),
         "avg_decode_batch": _mean(decode_steps),
         "decode_steps": len(decode_steps),
         "hit_rate": sum(r.cached_tokens for r in admitted) / prompt if prompt else 0.0,
@@ -46,7 +49,24 @@ def summary(res: SimResult) -> dict:
         # The same waste averaged with every sampled step weighing the same.
         "waste_of_held_per_step": _mean([m.stats.waste_fraction for m in res.memory]),
         "need_share": need_share(res),
+        **_host_summary(res),
     }
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """Nearest-rank quantile of sorted values (0 for none)."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def _host_summary(res: SimResult) -> dict:
+    """The host tier's share of the hits and what crossed PCIe (absent without one)."""
+    h = res.host
+    if h is None:
+        return {}
+    return {"host_bytes": h.pool_bytes, "host_hit_tokens": h.hit_tokens,
+            "host_hit_share": h.hit_tokens / res.hit_tokens if res.hit_tokens else 0.0,
+            "swap_in_bytes": h.bytes_in, "swap_out_bytes": h.bytes_out,
+            "swap_seconds": res.swap_seconds}
 
 
 def need_share(res: SimResult) -> dict[str, list[float]]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from kvserve.engine.request import Request, SamplingParams
 from kvserve.engine.scheduler import Scheduled, Scheduler
 from kvserve.memory import KVCacheManager, Stats
+from kvserve.memory.host_tier import HostStats
 from kvserve.sim.cost import Budget, Chunk, CostModel, kv_budget
 from kvserve.sim.gpus import GPU
 from kvserve.sim.models import BF16, Model
@@ -42,6 +43,7 @@ class SimConfig:
     tp: int = 1
     enable_caching: bool = True
     mem_every: int = 1  # take the memory core's Stats every N steps
+    host_bytes: int = 0  # a host tier (MemServe's DRAM pool) of this size; 0: none
 
     @property
     def model_len(self) -> int:
@@ -102,6 +104,8 @@ class SimResult:
     preemptions: int = 0
     queried_tokens: int = 0  # the memory core's lookup counters (every admission attempt)
     hit_tokens: int = 0
+    host: HostStats | None = None  # the host tier's totals at the end
+    swap_seconds: float = 0.0  # step time spent waiting for host-to-device loads
 
     @property
     def clock(self) -> float:
@@ -125,13 +129,15 @@ class Simulator:
                 f"{budget.weights / 1e9:.1f} GB + reserve {budget.reserve / 1e9:.1f} GB exceed "
                 f"{budget.usable / 1e9:.1f} GB usable; lower --max-model-len or use FP8 / more GPUs"
             )
+        self.cost = CostModel(cfg.model, cfg.gpu, fp8_weights=cfg.fp8_weights,
+                              kv_dtype_bytes=cfg.kv_dtype_bytes, tp=cfg.tp)
         self.kv = KVCacheManager(
             cfg.model.kv_specs(cfg.kv_dtype_bytes), budget.kv, cfg.tokens_per_page,
             policy=cfg.policy, enable_caching=cfg.enable_caching,
+            host_bytes=cfg.host_bytes, worth_loading=self._worth_loading,
         )
         self.sched = Scheduler(self.kv, cfg.max_num_seqs, cfg.batched_tokens)
-        self.cost = CostModel(cfg.model, cfg.gpu, fp8_weights=cfg.fp8_weights,
-                              kv_dtype_bytes=cfg.kv_dtype_bytes, tp=cfg.tp)
+        self._moved = [0, 0]  # bytes copied this step: [device -> host, host -> device]
         self.synth = TokenSynth()
         self.on_step = on_step
         self.result = SimResult(cfg, budget, self.kv.pool_bytes)
@@ -154,6 +160,7 @@ class Simulator:
         res = self.result
         res.preemptions = self.sched.num_preemptions
         res.queried_tokens, res.hit_tokens = self.kv.queried_tokens, self.kv.hit_tokens
+        res.host = self.kv.stats().host
         return res
 
     def _arrive(self, tr: TraceRequest) -> None:
@@ -188,13 +195,42 @@ class Simulator:
         if self.on_step is not None:
             self.on_step(self.kv, self.sched, batch)
         cost = self.cost.step([self._chunk(s) for s in batch])
-        self._record_step(clock, cost.seconds, cost.memory_bound, batch)
+        load, write = self._swap_times()
+        dt = max(cost.seconds + load, write)
+        self._record_step(clock, dt, cost.memory_bound, batch)
         sampled = [s.request for s in batch if s.completes_prompt]
         self.sched.commit(batch)
         done = clock + cost.seconds
         for req in sampled:
             self._sample(req, done)
-        return cost.seconds
+        return dt
+
+    # ------------------------------------------------------------- host tier
+
+    def _swap_times(self) -> tuple[float, float]:
+        """Seconds of this step's host-tier copies over PCIe: (loads, write-backs).
+
+        Loads (host to device) precede the forward that reads them: on the
+        critical path. Write-backs run on the other direction's copy engine,
+        beside the forward, and only cost what outlasts it.
+        """
+        self._moved = [0, 0]
+        if self.kv.flush(self._count) == 0:
+            return 0.0, 0.0
+        pcie = self.cfg.gpu.pcie_bandwidth * self.cfg.tp
+        load = self._moved[1] / pcie
+        self.result.swap_seconds += load
+        return load, self._moved[0] / pcie
+
+    def _count(self, to_host: bool, s: int, src: list[int], dst: list[int]) -> None:
+        self._moved[0 if to_host else 1] += len(src) * self.kv.layout.page_bytes[s]
+
+    def _worth_loading(self, n: int, have: int, could: int, nbytes: int) -> bool:
+        """MemServe's Eq. 2: load when moving the bytes beats recomputing the tokens."""
+        pcie = self.cfg.gpu.pcie_bandwidth * self.cfg.tp
+        saved = (self.cost.step([Chunk(have, n - have, sampled=True)]).seconds
+                 - self.cost.step([Chunk(could, n - could, sampled=True)]).seconds)
+        return nbytes / pcie <= saved
 
     def _chunk(self, s: Scheduled) -> Chunk:
         req = s.request
