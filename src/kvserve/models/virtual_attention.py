@@ -321,6 +321,7 @@ class VirtualAttention:
             "shared_chunks": sum(1 for n in holders.values() if n > 1),
             "chunk_bytes": self.chunks.chunk_bytes,
             "capacity_bytes": self.chunks.chunk_bytes * self.chunks.backend.num_chunks,
+            "recomputed_tokens": self.recomputed_tokens,  # a counter: only ever grows
         }
 
     def close(self) -> None:
