@@ -141,8 +141,9 @@ def one_run(idle: str, args: argparse.Namespace) -> dict:
         deadline = t1 + tail
         while time.monotonic() < deadline and not (idle != "inf" and sampler.latest() == 0):
             time.sleep(0.1)
-        back_to_zero = next((s["t"] - t1 for s in sampler.samples
-                             if s["t"] >= t1 and s["kvserve_vtensor_physical_bytes"] == 0), None)
+        back_to_zero = 0.0 if held_at_end == 0 else next(
+            (s["t"] - t1 for s in sampler.samples
+             if s["t"] >= t1 and s["kvserve_vtensor_physical_bytes"] == 0), None)
     finally:
         sampler.halt.set()
         sampler.join()
