@@ -1,21 +1,40 @@
-"""vTensor memory over a bursty run, and a decode step with each KV backend.
+"""vTensor memory over time, map/unmap costs, and step time with each KV backend.
 
     python benchmarks/vtensor_memory.py bursty [--idle 1.0] [--gap 2.5]
+    python benchmarks/vtensor_memory.py timeline [--idle 5] [--png docs/img/vtensor_memory.png]
+    python benchmarks/vtensor_memory.py chunks
     python benchmarks/vtensor_memory.py steps
 
 bursty: Gemma 3 270M with `--kv-backend vtensor`, a 256 MiB ceiling and an
 idle release of `--idle` seconds; two bursts of 8 requests (prompts of
 64-400 tokens of distinct text, 32 new tokens each) `--gap` seconds apart.
 Prints physical / mapped / reserved KV bytes at the end of each burst and
-gap, and the peak. steps: the median decode step at batch 8 (~260-token
-contexts) for the paged and vtensor backends, interleaved twice.
+gap, and the peak.
+
+timeline (vtensor.md Fig. 11): the same engine under bursts of ShareGPT first
+turns (8, 3 and 12 requests, 10 s apart, 32 new tokens each; `--idle` s idle
+release); samples the vTensor memory after every step and every 0.1 s while
+idle, and plots physical / referenced / mapped bytes and the running batch
+against the paged backend's pool, which is reserved whole at start.
+
+chunks: per chunk, pAlloc + Map (one chunk, and a run of 16 as a prefill maps
+them), the first write to each page, Unmap, and the punch-hole that gives the
+memory back: the engine's 64 KiB chunk and the paper's 2 MiB, with and without
+MAP_POPULATE.
+
+steps: decode and prefill step time for the paged backend and for vtensor
+with and without Extend ahead, and where vtensor's maps happen (in `prepare`,
+before the forward, or in `commit`, after it) and what they cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -23,6 +42,7 @@ from kvserve.cpu_features import summary
 from kvserve.engine.engine import EngineConfig, LLMEngine
 from kvserve.engine.request import SamplingParams
 from kvserve.models import Gemma3ForCausalLM, default_gguf_path, load_model_files
+from kvserve.physical.vtensor import PAGE_BYTES, ChunkPool, CpuBackend, VTensor
 
 MiB = 1 << 20
 
@@ -65,39 +85,296 @@ def bursty(model, tokenizer, idle_s: float, gap_s: float) -> None:
     print(f"peak physical {peak:.1f} MiB (the paged backend holds 256 MiB from the start)")
 
 
-def decode_step_ms(model, tokenizer, backend: str, batch: int = 8, steps: int = 12) -> float:
+# ------------------------------------------------------------------ timeline
+
+
+def sharegpt_prompts(tokenizer, n: int, seed: int = 0, max_len: int = 400) -> list[list[int]]:
+    """`n` ShareGPT first user turns of 16..max_len tokens, drawn at random (seeded)."""
+    from kvserve.datasets.sharegpt import load_conversations
+
+    texts = [c.first_exchange()[0] for c in load_conversations(limit=400)]
+    random.Random(seed).shuffle(texts)
+    out = []
+    for text in texts:
+        ids = tokenizer(text).input_ids
+        if 16 <= len(ids) <= max_len:
+            out.append(ids)
+        if len(out) == n:
+            return out
+    raise RuntimeError(f"only {len(out)} ShareGPT prompts of 16..{max_len} tokens")
+
+
+def timeline(model, tokenizer, idle_s: float, png: Path, bursts=(8, 3, 12),
+             every_s: float = 10.0, kv_memory: int = 256 * MiB) -> None:
+    engine = LLMEngine(model, tokenizer, EngineConfig(
+        kv_memory=kv_memory, kv_backend="vtensor", kv_idle_release_s=idle_s))
+    prompts = sharegpt_prompts(tokenizer, sum(bursts))
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    # (t, physical, referenced, mapped MiB, running requests)
+    rows: list[tuple[float, float, float, float, int]] = []
+    t0 = time.monotonic()
+
+    def sample() -> None:
+        s = engine.runner.attn.stats()
+        rows.append((time.monotonic() - t0, s["physical_bytes"] / MiB,
+                     s["referenced_bytes"] / MiB, s["mapped_bytes"] / MiB, s["active"]))
+
+    starts = [i * every_s for i in range(len(bursts))]
+    end = starts[-1] + every_s + idle_s * 1.25 + 2  # the last burst's memory goes back too
+    sent, k = 0, 0
+    while time.monotonic() - t0 < end:
+        if k < len(bursts) and time.monotonic() - t0 >= starts[k]:
+            for p in prompts[sent:sent + bursts[k]]:
+                engine.add_request(f"r{sent}", {"prompt_token_ids": [2] + p}, params)
+                sent += 1
+            k += 1
+        if engine.has_unfinished():
+            engine.step()
+        else:
+            time.sleep(0.1)
+        engine.maybe_release_idle()
+        sample()
+    peak = max(r[1] for r in rows)
+    integral = sum(a[1] * (b[0] - a[0]) for a, b in zip(rows, rows[1:]))
+    span = rows[-1][0] - rows[0][0]
+    print(f"{sum(bursts)} requests in bursts of {bursts}, {every_s:.0f} s apart, idle release "
+          f"{idle_s:g} s: peak physical {peak:.1f} MiB, mean {integral / span:.1f} MiB over "
+          f"{span:.0f} s (the paged pool: {kv_memory / MiB:.0f} MiB throughout), "
+          f"{rows[-1][1]:.1f} MiB at the end")
+    for t, phys, ref, mapped, active in rows[::max(1, len(rows) // 40)]:
+        print(f"  t={t:6.1f} s  physical {phys:6.1f}  referenced {ref:6.1f}  mapped "
+              f"{mapped:6.1f} MiB  running {active}")
+    plot_timeline(rows, starts, bursts, idle_s, kv_memory / MiB, png)
+    print(f"wrote {png}")
+
+
+def plot_timeline(rows, starts, bursts, idle_s: float, static_mib: float, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [r[0] for r in rows]
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True,
+                                 gridspec_kw={"height_ratios": [3, 1]})
+    ax.axhline(static_mib, color="tab:red", ls="--", lw=1.5,
+               label=f"paged pool: {static_mib:.0f} MiB reserved at start")
+    ax.plot(t, [r[3] for r in rows], color="tab:orange", lw=1,
+            label="mapped (a shared chunk once per request)")
+    ax.plot(t, [r[2] for r in rows], color="tab:green", lw=1, ls=":",
+            label="referenced (requests, caches, prefix trees)")
+    ax.fill_between(t, [r[1] for r in rows], color="tab:blue", alpha=0.35, step="post",
+                    label="physical (memfd blocks held)")
+    for s, n in zip(starts, bursts):
+        ax.axvline(s, color="gray", lw=0.6)
+        ax.annotate(f"{n} requests", (s, static_mib * 0.9), fontsize=8, xytext=(3, 0),
+                    textcoords="offset points")
+    ax.set(ylabel="KV memory (MiB)", ylim=(0, static_mib * 1.05),
+           title=f"vTensor KV memory under bursty ShareGPT (Gemma 3 270M, idle release "
+                 f"{idle_s:g} s)")
+    ax.legend(loc="center right", fontsize=8)
+    bx.step(t, [r[4] for r in rows], where="post", color="black", lw=1)
+    bx.set(xlabel="time (s)", ylabel="running")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ chunks
+
+
+def chunk_costs(chunk_bytes: int, populate: bool, n: int = 128, run: int = 16,
+                reps: int = 3) -> dict[str, float]:
+    """Median us per chunk: pAlloc + Map alone and in runs of `run`, first touch, Unmap, punch."""
+    backend = CpuBackend(chunk_bytes, n, max_mappings=10_000, populate=populate,
+                         name="kvserve-bench")
+    pool = ChunkPool(backend)
+    cb = chunk_bytes
+    times: dict[str, list[float]] = {k: [] for k in ("map", "map_run", "touch", "unmap",
+                                                     "punch")}
+    for _ in range(reps):
+        vt = VTensor(pool, n)
+        for i in range(n):  # one chunk at a time, as a decode Extend does
+            t0 = time.perf_counter()
+            c = pool.alloc(1, after=vt.chunks[-1] if vt.chunks else None)
+            vt.map(c)
+            pool.decref(c)
+            t1 = time.perf_counter()
+            page, _owner = backend.buffer(vt.addr + i * cb, cb)
+            page[::PAGE_BYTES] = 1  # one byte a page: the page-table cost, not bandwidth
+            t2 = time.perf_counter()
+            del page, _owner
+            times["map"].append(t1 - t0)
+            times["touch"].append(t2 - t1)
+        for i in reversed(range(n)):
+            t0 = time.perf_counter()
+            vt.unmap(i)
+            t1 = time.perf_counter()
+            pool.punch()
+            t2 = time.perf_counter()
+            times["unmap"].append(t1 - t0)
+            times["punch"].append(t2 - t1)
+        for _ in range(0, n, run):  # a run at a time, as a prefill's Extend does
+            t0 = time.perf_counter()
+            c = pool.alloc(run, after=vt.chunks[-1] if vt.chunks else None)
+            vt.map(c)
+            pool.decref(c)
+            times["map_run"].append((time.perf_counter() - t0) / run)
+        vt.free()
+        pool.punch()
+    backend.close()
+    return {k: statistics.median(v) * 1e6 for k, v in times.items()}
+
+
+def chunks() -> None:
+    print("us per chunk (median): pAlloc+Map | in runs of 16 | first write (1 B/page) | "
+          "Unmap | punch-hole")
+    for cb in (64 << 10, 2 << 20):
+        for populate in (True, False):
+            c = chunk_costs(cb, populate)
+            print(f"| {cb >> 10} KiB | {'MAP_POPULATE' if populate else 'demand faults'} | "
+                  f"{c['map']:.1f} | {c['map_run']:.1f} | {c['touch']:.1f} | "
+                  f"{c['unmap']:.1f} | {c['punch']:.1f} |")
+
+
+# ------------------------------------------------------------------ steps
+
+
+class MapClock:
+    """Time spent in the backend's map calls, split by the phase of the step."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        attn = engine.runner.attn
+        self.seconds = {"prepare": 0.0, "commit": 0.0}
+        self.calls = {"prepare": 0, "commit": 0}
+        self.phase_s = {"prepare": 0.0, "commit": 0.0}
+        self.phase = "prepare"
+        backend = attn.chunks.backend
+        real_map = backend.map
+
+        def timed_map(*a) -> None:
+            t = time.perf_counter()
+            real_map(*a)
+            self.seconds[self.phase] += time.perf_counter() - t
+            self.calls[self.phase] += 1
+
+        backend.map = timed_map
+        for name in ("prepare", "commit"):
+            setattr(attn, name, self._phase(name, getattr(attn, name)))
+
+    def _phase(self, name: str, fn: Callable) -> Callable:
+        def wrapped(*a):
+            self.phase = name
+            t = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                self.phase_s[name] += time.perf_counter() - t
+        return wrapped
+
+
+def make_engine(model, tokenizer, backend: str, ahead: int | None) -> LLMEngine:
     engine = LLMEngine(model, tokenizer, EngineConfig(kv_memory=256 * MiB, kv_backend=backend))
+    if backend == "vtensor" and ahead is not None:
+        engine.runner.attn.ahead_tokens = ahead
+    return engine
+
+
+def decode_steps(model, tokenizer, backend: str, ahead: int | None, batch: int = 8,
+                 steps: int = 48) -> dict[str, float]:
+    """Batch `batch`, contexts of 250 + 4i tokens (chunk boundaries crossed at different
+    steps), `steps` decode steps timed one by one."""
+    engine = make_engine(model, tokenizer, backend, ahead)
     ids = text_ids(tokenizer)
     for i in range(batch):
-        engine.add_request(f"r{i}", {"prompt_token_ids": [2] + ids[i * 30:i * 30 + 256]},
+        engine.add_request(f"r{i}", {"prompt_token_ids": [2] + ids[i * 30:i * 30 + 249 + 4 * i]},
                            SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True))
     while any(r.num_computed < len(r.prompt_token_ids) for r in engine.requests.values()):
         engine.step()
     engine.step()
+    clock = MapClock(engine) if backend == "vtensor" else None
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    out = {"median_ms": statistics.median(times) * 1e3, "mean_ms": statistics.mean(times) * 1e3}
+    if clock is not None:
+        for ph in ("prepare", "commit"):
+            out[f"{ph}_ms"] = clock.phase_s[ph] / steps * 1e3
+            out[f"{ph}_map_us"] = clock.seconds[ph] / steps * 1e6
+            out[f"{ph}_maps"] = clock.calls[ph] / steps
+    return out
+
+
+def prefill_step(model, tokenizer, backend: str, ahead: int | None, tokens: int = 512,
+                 reps: int = 3) -> dict[str, float]:
+    """One request's whole prompt of `tokens` in one step (distinct text each time)."""
+    engine = make_engine(model, tokenizer, backend, ahead)
+    clock = MapClock(engine) if backend == "vtensor" else None
+    ids, times = text_ids(tokenizer), []
+    for r in range(reps):
+        prompt = [2] + ids[r * 700:r * 700 + tokens - 1]  # distinct text: no prefix hit
+        engine.add_request(f"p{r}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+        while engine.has_unfinished():
+            engine.step()
+    out = {"median_ms": statistics.median(times) * 1e3}
+    if clock is not None:
+        out["prepare_map_us"] = clock.seconds["prepare"] / reps * 1e6
+        out["prepare_maps"] = clock.calls["prepare"] / reps
+    return out
+
+
+STEP_CONFIGS = (("paged", "paged", None), ("vtensor, no Extend ahead", "vtensor", 0),
+                ("vtensor, Extend ahead (1 chunk)", "vtensor", None))
+
+
+def steps_table(model, tokenizer) -> None:
+    print("decode: batch 8, contexts 250-278 tokens, 48 steps; two interleaved rounds")
+    for rnd in range(2):
+        for label, backend, ahead in STEP_CONFIGS:
+            d = decode_steps(model, tokenizer, backend, ahead)
+            line = (f"  [{rnd}] {label:32s} median {d['median_ms']:6.1f} ms, "
+                    f"mean {d['mean_ms']:6.1f}")
+            if backend == "vtensor":
+                line += (f"; prepare {d['prepare_ms']:.2f} ms/step ({d['prepare_maps']:.2f} "
+                         f"maps, {d['prepare_map_us']:.0f} us), commit {d['commit_ms']:.2f} "
+                         f"ms/step ({d['commit_maps']:.2f} maps, {d['commit_map_us']:.0f} us)")
+            print(line)
+    print("prefill: one 512-token prompt in one step, median of 3")
+    for label, backend, ahead in STEP_CONFIGS:
+        p = prefill_step(model, tokenizer, backend, ahead)
+        line = f"  {label:32s} {p['median_ms']:7.1f} ms"
+        if backend == "vtensor":
+            line += f"; {p['prepare_maps']:.0f} maps in prepare, {p['prepare_map_us']:.0f} us"
+        print(line)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["bursty", "steps"])
-    ap.add_argument("--idle", type=float, default=1.0, help="kv_idle_release_s")
-    ap.add_argument("--gap", type=float, default=2.5, help="seconds between bursts")
+    ap.add_argument("what", choices=["bursty", "timeline", "chunks", "steps"])
+    ap.add_argument("--idle", type=float, default=None,
+                    help="kv_idle_release_s (bursty: 1, timeline: 5)")
+    ap.add_argument("--gap", type=float, default=2.5, help="bursty: seconds between bursts")
+    ap.add_argument("--png", type=Path, default=Path("docs/img/vtensor_memory.png"))
     args = ap.parse_args()
     print(f"CPU: {summary()}")
+    if args.what == "chunks":
+        chunks()
+        return
     config, state_dict, tokenizer = load_model_files(default_gguf_path())
     model = Gemma3ForCausalLM.from_state_dict(config, state_dict)
     if args.what == "bursty":
-        bursty(model, tokenizer, args.idle, args.gap)
-        return
-    for _ in range(2):
-        for backend in ("paged", "vtensor"):
-            ms = decode_step_ms(model, tokenizer, backend)
-            print(f"{backend:8s} decode step, batch 8, ~260-token contexts: {ms:.1f} ms")
+        bursty(model, tokenizer, 1.0 if args.idle is None else args.idle, args.gap)
+    elif args.what == "timeline":
+        timeline(model, tokenizer, 5.0 if args.idle is None else args.idle, args.png)
+    else:
+        steps_table(model, tokenizer)
 
 
 if __name__ == "__main__":

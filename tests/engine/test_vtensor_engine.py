@@ -210,3 +210,47 @@ def test_tiny_short_match_is_recomputed(tiny, small_chunks):
     assert attn.recomputed_tokens == 48  # the memory core's 48-token hit, all recomputed
     assert out["vtensor"] == out["paged"]
     assert_no_leak(engines["vtensor"])
+
+
+def count_maps(attn: va.VirtualAttention) -> dict[str, list[int]]:
+    """Map calls made inside each decode-only `prepare` and inside each `commit`."""
+    backend, seen = attn.chunks.backend, {"prepare": [], "commit": []}
+    real_prepare, real_commit = attn.prepare, attn.commit
+
+    def prepare(seqs):
+        decode = all(s.num_new == 1 for s in seqs)
+        before = backend.map_calls
+        out = real_prepare(seqs)
+        if decode:
+            seen["prepare"].append(backend.map_calls - before)
+        return out
+
+    def commit():
+        before = backend.map_calls
+        real_commit()
+        seen["commit"].append(backend.map_calls - before)
+
+    attn.prepare, attn.commit = prepare, commit
+    return seen
+
+
+@pytest.mark.parametrize("ahead", [None, 0], ids=["extend-ahead", "no-ahead"])
+def test_tiny_decode_maps_after_the_step_not_before(tiny, small_chunks, ahead):
+    """Extend ahead (the default): each commit maps the next chunk's worth of tokens, so a
+    decode step's prepare maps nothing; without it, prepare maps as boundaries are crossed."""
+    ps = tiny_prompts([5, 21])
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # 3 chunk boundaries
+    paged = generate(make_engine(tiny, ByteTokenizer(), "paged", **TINY), ps, params)
+    engine = make_engine(tiny, ByteTokenizer(), "vtensor", **TINY)
+    attn = engine.runner.attn
+    if ahead is not None:
+        attn.ahead_tokens = ahead
+    maps = count_maps(attn)
+    assert generate(engine, ps, params) == paged
+    assert len(maps["prepare"]) >= 39
+    if ahead is None:
+        assert attn.ahead_tokens == attn.tokens_per_chunk
+        assert sum(maps["prepare"]) == 0 and sum(maps["commit"]) > 0
+    else:
+        assert sum(maps["prepare"]) > 0 and sum(maps["commit"]) == 0
+    assert_no_leak(engine)

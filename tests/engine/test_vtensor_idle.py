@@ -136,6 +136,11 @@ def test_metrics_gauges_under_each_backend(kv, prompt):
     for key in ("reserved_bytes", "mapped_bytes", "physical_bytes", "referenced_bytes"):
         assert vt[f"kvserve_vtensor_{key}"] == stats[key] > 0, key
     assert vt["kvserve_vtensor_reserved_bytes"] >= vt["kvserve_vtensor_mapped_bytes"]
+    attn = engine.runner.attn
+    attn.trim()  # the core still holds the prefix, the vTensor not: its hit is recomputed
+    run(engine, "b", prompt)
+    vt = gauges(metrics, EngineLoop(engine, metrics)._snapshot())
+    assert vt["kvserve_vtensor_recomputed_tokens_total"] == attn.recomputed_tokens == 192
     paged = LLMEngine(kv.model, kv.tokenizer, EngineConfig(kv_memory=64 * MiB))
     assert paged.maybe_release_idle() == 0 and paged.idle_poll_s() is None
     plain = gauges(metrics, EngineLoop(paged, metrics)._snapshot())

@@ -222,6 +222,66 @@ def test_memory_pressure_reclaims_the_prefix_tree_leaves_first():
     pool.close()
 
 
+def test_map_ahead_is_a_head_start_taken_back_first_when_memory_is_short():
+    pool = make_pool(num_chunks=5)
+    a = list(range(TPC + 3))
+    pool.create("a")
+    pool.extend("a", len(a))
+    write_tokens(pool, "a", a, 0, len(a))
+    pool.record("a", a)  # the tree holds a's first chunk too
+    assert pool.map_ahead("a", 4 * TPC) == 2  # Extend ahead: 2 more chunks, free ones
+    vt = pool.active["a"]
+    assert len(vt.chunks) == 4 and vt.need == 2
+    pool.create("c")
+    pool.extend("c", TPC)
+    pool.release("c")  # a cached vTensor: its chunk is reclaimable too, but costs a reuse
+    before = pool.backend.map_calls
+    pool.extend("a", len(a) + TPC)  # within the head start: nothing to map
+    assert pool.backend.map_calls == before and vt.need == 3
+    pool.create("b", max_tokens=16 * TPC)  # longer than c's range: c is not reused
+    pool.extend("b", TPC)  # no free chunk: a's head start goes, not the cache nor the tree
+    assert len(vt.chunks) == 3 and len(pool.cached) == 1 and len(pool.tree) == 1
+    assert read_tokens(pool, "a", len(a)) == a
+    check_refs(pool)
+    check_vmas(pool)
+    pool.close()
+
+
+def test_map_ahead_never_reclaims_nor_fails():
+    pool = make_pool(num_chunks=4)
+    pool.create("c")
+    pool.extend("c", 2 * TPC)
+    pool.release("c")  # cached: 2 chunks held
+    pool.create("a", max_tokens=16 * TPC)  # longer than c's range: c is not reused
+    pool.extend("a", TPC)
+    assert len(pool.chunks.free) == 1
+    assert pool.map_ahead("a", 4 * TPC) == 1  # only what is free: the cache stays
+    assert len(pool.cached) == 1 and len(pool.active["a"].chunks) == 2
+    assert pool.map_ahead("a", 100 * TPC) == 0  # nothing free, past the range: no error
+    check_refs(pool)
+    check_vmas(pool)
+    pool.close()
+
+
+def test_extend_past_its_own_head_start_keeps_it():
+    """A request's own head start is not `_reclaim`ed from under its own extend."""
+    pool = make_pool(num_chunks=4)
+    pool.create("c")
+    pool.extend("c", TPC)
+    pool.release("c")  # cached: 1 chunk
+    pool.create("a", max_tokens=16 * TPC)
+    pool.extend("a", TPC)
+    assert pool.map_ahead("a", 3 * TPC) == 2  # a: 3 chunks, needs 1; none free
+    pool.extend("a", 4 * TPC)  # the cache goes; a's own head start is part of its need
+    assert len(pool.active["a"].chunks) == 4 and pool.active["a"].need == 4
+    with pytest.raises(OutOfPhysicalMemory):
+        pool.extend("a", 5 * TPC)
+    assert pool.active["a"].need == 4  # a failed extend leaves the need as it was
+    check_refs(pool)
+    check_vmas(pool)
+    pool.close()
+
+
 def test_idle_trim_keeps_recent_prefixes():
     now = [0.0]
     pool = make_pool(clock=lambda: now[0])
@@ -413,6 +473,15 @@ class VTensorBookkeeping(RuleBasedStateMachine):
         self.reqs[rid][1] = new
 
     @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), n=st.integers(1, 4 * TPC))
+    def extend_ahead(self, data, n):
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        vt = self.pool.active[rid]
+        need, free = vt.need, len(self.pool.chunks.free)
+        got = self.pool.map_ahead(rid, self.reqs[rid][1] + n)
+        assert 0 <= got <= free and vt.need == need  # a head start: not needed yet
+
+    @precondition(lambda self: self.reqs)
     @rule(data=st.data())
     def record(self, data):
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
@@ -443,6 +512,12 @@ class VTensorBookkeeping(RuleBasedStateMachine):
     @invariant()
     def refs_match_holders(self):
         check_refs(self.pool)
+
+    @invariant()
+    def written_tokens_are_needed(self):
+        for rid, (_, written) in self.reqs.items():
+            vt = self.pool.active[rid]
+            assert written <= vt.need * TPC and vt.need <= len(vt.chunks)
 
     @invariant()
     def kernel_agrees(self):

@@ -1,7 +1,8 @@
 """`kvserve bench serve`: a ShareGPT serving benchmark against a running server.
 
     kvserve bench serve --base-url http://127.0.0.1:8000 --dataset sharegpt \\
-        --num-prompts 200 --request-rate 4 [--multi-turn] --max-tokens 128 --output run.json
+        --num-prompts 200 --request-rate 4 [--multi-turn [--think-time 10]] --max-tokens 128 \
+        --output run.json
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 FIELDS_FROM_ARGS = ("base_url", "dataset", "num_prompts", "request_rate", "multi_turn",
-                    "max_tokens", "max_prompt_tokens", "max_concurrency", "seed", "temperature")
+                    "max_tokens", "max_prompt_tokens", "max_concurrency", "seed", "temperature",
+                    "think_time")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--multi-turn", action="store_true",
                        help="each conversation is a session; a turn waits for the previous "
                             "answer and carries the history")
+    serve.add_argument("--think-time", type=float, default=0.0,
+                       help="with --multi-turn: mean seconds a session waits between an answer "
+                            "and its next turn (exponential, seeded); 0: none")
     serve.add_argument("--max-tokens", type=int, default=128,
                        help="cap on a request's output length (the dataset answer's length)")
     serve.add_argument("--max-prompt-tokens", type=int, default=1024,
@@ -55,6 +60,8 @@ def main(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    if args.think_time < 0:
+        sys.exit("--think-time must be >= 0 seconds")
     if args.multi_turn and args.endpoint == "completions":
         sys.exit("--multi-turn sends the history as chat messages: use --endpoint chat")
     report = asyncio.run(benchmark(args))
@@ -94,7 +101,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             Limits(args.max_tokens, args.max_prompt_tokens, max_len or 2048, args.multi_turn),
             args.seed)
         cfg = RunConfig(base, model, endpoint, args.request_rate, args.max_concurrency,
-                        args.temperature, args.seed, show_progress=not args.no_progress)
+                        args.temperature, args.seed, show_progress=not args.no_progress,
+                        think_time=args.think_time)
         before = await server_counters(client, base)
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         results, duration = await run_sessions(cfg, sessions, client)

@@ -43,6 +43,8 @@ def summarize(results: list[RequestResult], duration: float,
     cached = sum(r.cached_tokens for r in done)
     hits = counters.get("kvserve_prefix_cache_hit_tokens")
     queried = counters.get("kvserve_prefix_cache_queried_tokens")
+    # --kv-backend vtensor: hit tokens whose KV the vTensor had given back (idle release).
+    recomputed = counters.get("kvserve_vtensor_recomputed_tokens")
     summary: dict[str, Any] = {
         "duration_s": duration,
         "completed": len(done),
@@ -57,6 +59,10 @@ def summarize(results: list[RequestResult], duration: float,
         "prefix_cache_hit_tokens": hits,
         "prefix_cache_queried_tokens": queried,
         "num_preemptions": counters.get("kvserve_num_preemptions"),
+        "vtensor_recomputed_tokens": recomputed,
+        # The hits really served from KV memory: the prefix cache's, less what was recomputed.
+        "prefix_reused_rate": ((hits - recomputed) / queried
+                               if None not in (hits, recomputed) and queried else None),
         # Client side: usage.prompt_tokens_details.cached_tokens over prompt tokens.
         "cached_prompt_token_ratio": cached / prompt if prompt else None,
     }
@@ -86,6 +92,8 @@ def format_table(summary: dict[str, Any]) -> str:
         ("Prefix cache hit rate (/metrics)", num(summary["prefix_cache_hit_rate"], ".1%")),
         ("Cached prompt tokens (usage)", num(summary["cached_prompt_token_ratio"], ".1%")),
         ("Preemptions (/metrics)", num(summary["num_preemptions"], ".0f")),
+        ("Hit tokens recomputed (vtensor)", num(summary["vtensor_recomputed_tokens"], ".0f")),
+        ("Prefix reused, net (/metrics)", num(summary["prefix_reused_rate"], ".1%")),
     ]
     for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E")):
         for stat in ("mean", "median", "p99"):

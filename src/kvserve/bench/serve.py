@@ -5,7 +5,10 @@ Inside a session a turn is sent only once the previous answer has fully
 arrived, with the whole history, the model's own answers included (MemServe
 §8.2's ShareGPT workload). Every request streams, so the client sees its time
 to first token (TTFT) and the gaps between content chunks (ITL); each asks for
-exactly its planned output length (`ignore_eos`).
+exactly its planned output length (`ignore_eos`). With a think time, a session
+waits that long (exponentially distributed, seeded) between an answer and its
+next turn, as a user reading and typing would: what an idle-memory timeout on
+the server (`--kv-idle-release-s`) is measured against.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from kvserve.bench.dataset import Session, Turn
 
 # Server counters read from /metrics before and after a run (kvserve's names).
 COUNTERS = ("kvserve_prefix_cache_hit_tokens", "kvserve_prefix_cache_queried_tokens",
-            "kvserve_num_preemptions")
+            "kvserve_num_preemptions", "kvserve_vtensor_recomputed_tokens")
 
 
 @dataclass
@@ -38,6 +41,7 @@ class RunConfig:
     temperature: float
     seed: int
     show_progress: bool = True
+    think_time: float = 0.0  # mean seconds between an answer and the session's next turn
 
 
 @dataclass
@@ -45,6 +49,7 @@ class RequestResult:
     session: int
     turn: int
     start: float = 0.0  # seconds since the run began
+    think: float = 0.0  # seconds the session waited after the previous answer
     ok: bool = False
     error: str | None = None
     ttft: float | None = None
@@ -64,7 +69,7 @@ class RequestResult:
     def record(self) -> dict[str, Any]:
         """The per-request row of the JSON report (the text itself is left out)."""
         return {"session": self.session, "turn": self.turn, "start_s": self.start,
-                "ok": self.ok, "error": self.error, "ttft_s": self.ttft,
+                "think_s": self.think, "ok": self.ok, "error": self.error, "ttft_s": self.ttft,
                 "latency_s": self.latency, "tpot_s": self.tpot,
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "output_tokens": self.output_tokens}
@@ -194,6 +199,18 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
+def think_times(mean: float, seed: int, session: int, turns: int) -> list[float]:
+    """Each turn's wait after the previous answer: 0 for the first, then exponential of `mean`.
+
+    Exponential think times are the usual model of a user between requests;
+    seeded per session, so every run (and every server setting) sees the same gaps.
+    """
+    if mean <= 0:
+        return [0.0] * turns
+    rng = random.Random(f"{seed}:{session}")
+    return [0.0] + [rng.expovariate(1 / mean) for _ in range(turns - 1)]
+
+
 async def run_sessions(cfg: RunConfig, sessions: list[Session],
                        client: httpx.AsyncClient) -> tuple[list[RequestResult], float]:
     """Replay every session; returns the request results and the run's duration."""
@@ -207,8 +224,10 @@ async def run_sessions(cfg: RunConfig, sessions: list[Session],
     async def session(i: int, s: Session, at: float) -> None:
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
         history: list[dict[str, str]] = []
+        thinks = think_times(cfg.think_time, cfg.seed, i, len(s.turns))
         for k, turn in enumerate(s.turns):
-            r = RequestResult(i, k, start=time.perf_counter() - t0)
+            await asyncio.sleep(thinks[k])  # outside the concurrency slot: no request is open
+            r = RequestResult(i, k, start=time.perf_counter() - t0, think=thinks[k])
             body = payload(cfg, history, turn)
             if slots is None:
                 await send(client, url, body, r)

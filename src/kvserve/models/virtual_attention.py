@@ -25,13 +25,18 @@ Step protocol (the paper's §5.4 scheduler operations):
 
 * `prepare` runs before the forward. A request new to the backend is
   *Created* with *Prefix Match* against its prompt; every scheduled request is
-  then *Extended* to cover this step's tokens (and `ahead_chunks` more, best
-  effort), so mapping happens ahead of compute. One view per request and
+  then *Extended* to cover this step's tokens. One view per request and
   layer is taken for the whole step.
 * `__call__` per layer writes the new K/V by slicing and attends.
 * `commit` after the forward *Records* every chunk whose tokens are now all
   computed (prompt and generated tokens alike) in each layer's prefix tree,
-  and drops the step's views.
+  drops the step's views, and *Extends ahead*: every request of the step gets
+  chunks for its next `ahead_tokens` tokens from free chunks (best effort;
+  taken back first when memory is short), so a decode step finds its memory
+  mapped and `prepare` maps only for prefill. This engine is synchronous, so
+  the maps are moved out of the step's start, not overlapped with compute
+  as on a GPU; at 64 KiB chunks they cost ~10 us each, once per request,
+  layer and 32 tokens (docs/benchmarks.md), which is why that is enough.
 * `release` (the engine calls it when a request finishes or aborts) and
   `retain` (each step, with the running requests: a preempted one is
   released) *Release* lazily: chunks stay mapped until memory is needed.
@@ -129,7 +134,9 @@ class VirtualAttention:
 
     def __init__(self, windows: Sequence[int], shape: AttentionShape, scale: float,
                  capacity_bytes: int, tokens_per_page: int,
-                 chunk_target: int | None = None, ahead_chunks: int = 1) -> None:
+                 chunk_target: int | None = None, ahead_tokens: int | None = None) -> None:
+        """`ahead_tokens`: Extend ahead after each step by this many tokens (default: a
+        chunk's worth, so a decoding request maps once per chunk, in `commit`); 0: never."""
         self.windows = list(windows)  # per layer; 0 for full attention
         self.shape = shape
         self.scale = scale
@@ -138,9 +145,10 @@ class VirtualAttention:
         chunk = (chunk_bytes_for(bpt * tokens_per_page, chunk_target) if chunk_target
                  else chunk_bytes_of(shape, tokens_per_page))
         self.chunks = ChunkPool(CpuBackend(chunk, max(1, capacity_bytes // chunk)))
-        self.pools = [VTensorPool(bpt, max_tokens=1, chunks=self.chunks,
-                                  ahead_chunks=ahead_chunks) for _ in self.windows]
+        self.pools = [VTensorPool(bpt, max_tokens=1, chunks=self.chunks, ahead_chunks=0)
+                      for _ in self.windows]
         self.tokens_per_chunk = self.pools[0].tokens_per_chunk
+        self.ahead_tokens = self.tokens_per_chunk if ahead_tokens is None else ahead_tokens
         self.computed: dict[str, int] = {}  # tokens whose KV is written, per request
         self.recorded: dict[str, int] = {}  # chunks already in the prefix trees
         self.recomputed_tokens = 0  # gap tokens recomputed because a match fell short
@@ -207,13 +215,16 @@ class VirtualAttention:
             self._retry(lambda p=pool: p.extend(rid, num_tokens))
 
     def _retry(self, op: Callable[[], T]) -> T:
-        """Run a pool operation; when chunks run out, drop every layer's caches once and retry.
+        """Run a pool operation; when chunks run out, drop every layer's caches and head
+        starts once and retry.
 
         A pool reclaims only its own caches, and the layers share one chunk pool.
         """
         try:
             return op()
         except OutOfPhysicalMemory:
+            for pool in self.pools:
+                pool.drop_ahead()
             self.trim()
             return op()
 
@@ -272,9 +283,11 @@ class VirtualAttention:
     # ------------------------------------------------------------ after step
 
     def commit(self) -> None:
-        """The step's KV is written: record newly complete chunks, drop the views."""
+        """The step's KV is written: record newly complete chunks, drop the views, and
+        Extend ahead for the next steps."""
         tpc = self.tokens_per_chunk
-        for s in self.seqs:
+        seqs = self.seqs
+        for s in seqs:
             end = s.start + s.num_new
             self.computed[s.request_id] = end
             full = end // tpc
@@ -283,6 +296,23 @@ class VirtualAttention:
                     pool.record(s.request_id, s.tokens[:full * tpc])
                 self.recorded[s.request_id] = full
         self.views, self.plans, self.seqs = [], [], []
+        if self.ahead_tokens:
+            for s in seqs:
+                self._map_ahead(s.request_id, s.start + s.num_new + self.ahead_tokens)
+
+    def _map_ahead(self, rid: str, num_tokens: int) -> None:
+        """Extend ahead in every layer: map (best effort) the first `num_tokens` tokens of `rid`.
+
+        The layers map in step, so one look at the last layer says whether any
+        has something to do (a per-layer call on every step would cost more
+        than the maps themselves).
+        """
+        want = -(-num_tokens // self.tokens_per_chunk)
+        last = self.pools[-1].active[rid]
+        if len(last.chunks) >= min(want, last.slots):
+            return
+        for pool in self.pools:
+            pool.map_ahead(rid, num_tokens)
 
     def release(self, request_id: str) -> None:
         """Release (lazily) a finished, aborted or preempted request's vTensors."""
@@ -321,6 +351,7 @@ class VirtualAttention:
             "shared_chunks": sum(1 for n in holders.values() if n > 1),
             "chunk_bytes": self.chunks.chunk_bytes,
             "capacity_bytes": self.chunks.chunk_bytes * self.chunks.backend.num_chunks,
+            "recomputed_tokens": self.recomputed_tokens,  # a counter: only ever grows
         }
 
     def close(self) -> None:

@@ -164,6 +164,7 @@ class Backend(ABC):
         self.num_chunks = num_chunks
         self.max_mappings = default_mapping_budget() if max_mappings is None else max_mappings
         self.mappings = 0
+        self.map_calls = 0  # `map` calls so far (one per run of consecutive chunks)
 
     def granularity(self) -> int:
         """Chunk sizes must be a multiple of this."""
@@ -384,7 +385,9 @@ class VTensor:
     range. `chunks[j]` is mapped at slot j for j < len(chunks); slots
     [len(chunks), placeholder_end) hold placeholders; the rest is PROT_NONE.
     Chunks are always mapped and unmapped at the tail, so the mapped part is
-    one prefix and a view of it is one contiguous tensor.
+    one prefix and a view of it is one contiguous tensor. The first `need`
+    slots are the ones its owner asked for (Create, Extend); chunks past them
+    were mapped ahead and may be taken back when memory is short.
     """
 
     def __init__(self, pool: ChunkPool, slots: int,
@@ -399,6 +402,7 @@ class VTensor:
         self.pool = pool
         self.slots = slots
         self.chunks: list[int] = []
+        self.need = 0
         self.placeholder_end = 0
         self.views: list[tuple[weakref.ref, int]] = []  # (owner, slots it covers)
         self.on_view_death = on_view_death
@@ -433,6 +437,7 @@ class VTensor:
         try:
             for first, count in _runs(chunks):
                 backend.map(self.addr + slot * pool.chunk_bytes, first, count)
+                backend.map_calls += 1
                 slot += count
         except BaseException:
             # Put back what the part that did map covered; the count is restored too.
@@ -457,6 +462,7 @@ class VTensor:
         self._clear(keep, n, ph_end)
         gone = self.chunks[keep:]
         self.chunks = self.chunks[:keep]
+        self.need = min(self.need, keep)
         self.placeholder_end = ph_end if ph_end > keep else 0
         self.pool.backend.charge(self.vmas() - before, strict=False)
         self.pool.decref(gone)
@@ -716,6 +722,7 @@ class VTensorPool:
             except BaseException:
                 vt.free()
                 raise
+        vt.need = len(matched)  # a reused vTensor's own chunks past the match: a head start
         self.active[req] = vt
         return len(matched) * self.tokens_per_chunk
 
@@ -746,8 +753,7 @@ class VTensorPool:
     def extend(self, req: RequestId, num_tokens: int) -> None:
         """Extend: make sure the first `num_tokens` tokens of `req` are mapped.
 
-        Then map `ahead_chunks` more if free chunks allow, so the next steps
-        find their memory ready (best effort: it never reclaims or fails).
+        Then map `ahead_chunks` more if free chunks allow (`map_ahead`).
         """
         vt = self.active[req]
         need = math.ceil(num_tokens / self.tokens_per_chunk)
@@ -755,13 +761,42 @@ class VTensorPool:
             raise ValueError(f"{num_tokens} tokens exceed the {vt.slots * self.tokens_per_chunk} "
                              f"reserved for {req!r}")
         if need > len(vt.chunks):
-            self._grow(vt, need - len(vt.chunks), reclaim=True)
-        ahead = min(vt.slots, need + self.ahead_chunks) - len(vt.chunks)
-        if ahead > 0:
+            # Raised first: its own head start is now needed, `_reclaim` must not take it.
+            old, vt.need = vt.need, need
             try:
-                self._grow(vt, ahead, reclaim=False)
-            except MemoryError:
-                pass  # only a head start; the next extend maps what it needs
+                self._grow(vt, need - len(vt.chunks), reclaim=True)
+            except BaseException:
+                vt.need = old
+                raise
+        vt.need = max(vt.need, need)
+        if self.ahead_chunks:
+            self.map_ahead(req, (need + self.ahead_chunks) * self.tokens_per_chunk)
+
+    def map_ahead(self, req: RequestId, num_tokens: int) -> int:
+        """Extend ahead of need: map up to the first `num_tokens` tokens of `req` from free chunks.
+
+        Best effort, so that a later step finds its memory mapped: it never
+        reclaims, never fails, and what it maps stays a head start (`_reclaim`
+        takes it back first). Returns the chunks mapped.
+        """
+        vt = self.active[req]
+        want = min(vt.slots, math.ceil(num_tokens / self.tokens_per_chunk)) - len(vt.chunks)
+        want = min(want, len(self.chunks.free))
+        if want <= 0:
+            return 0
+        try:
+            self._grow(vt, want, reclaim=False)
+        except MemoryError:  # the VMA budget: only a head start, the next extend decides
+            return 0
+        return want
+
+    def drop_ahead(self) -> int:
+        """Unmap every active request's head start (chunks past its need); returns chunks freed."""
+        free = len(self.chunks.free)
+        for vt in self.active.values():
+            if len(vt.chunks) > vt.need:
+                vt.unmap(vt.need)
+        return len(self.chunks.free) - free
 
     def _grow(self, vt: VTensor, n: int, reclaim: bool) -> None:
         if reclaim and len(self.chunks.free) < n:
@@ -773,11 +808,12 @@ class VTensorPool:
             self.chunks.decref(new)  # the allocation's reference; the mapping holds its own
 
     def _reclaim(self, n: int) -> None:
-        """Free chunks until `n` are: cached vTensors first (LRU), then prefix-tree leaves.
+        """Free chunks until `n` are: head starts first (a map to redo later, no KV lost),
+        then cached vTensors (LRU), then prefix-tree leaves.
 
         Checked first, so that when it cannot succeed nothing is dropped.
         """
-        live = {c for vt in self.active.values() for c in vt.chunks}
+        live = {c for vt in self.active.values() for c in vt.chunks[:vt.need]}
         ref = self.chunks.ref
         reclaimable = sum(1 for c in range(len(ref)) if ref[c] and c not in live)
         if len(self.chunks.free) + reclaimable < n:
@@ -786,6 +822,11 @@ class VTensorPool:
                 f"{reclaimable} held only by caches, {len(live)} in use by "
                 f"{len(self.active)} requests"
             )
+        for vt in self.active.values():
+            if len(self.chunks.free) >= n:
+                return
+            if len(vt.chunks) > vt.need:
+                vt.unmap(vt.need)
         for vt in list(self.cached):
             if len(self.chunks.free) >= n:
                 return

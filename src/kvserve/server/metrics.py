@@ -106,6 +106,10 @@ def _vtensor_families(s: EngineSnapshot) -> Iterator[Metric]:
         return
     for key, doc in VTENSOR_GAUGES:
         yield _gauge(f"kvserve_vtensor_{key}", doc, s.vtensor[key])
+    yield _counter("kvserve_vtensor_recomputed_tokens",
+                   "Prefix-cache hit tokens recomputed because the vTensor had given their "
+                   "KV back (--kv-idle-release-s) or held a shorter prefix",
+                   s.vtensor["recomputed_tokens"])
 
 
 def _host_families(s: EngineSnapshot) -> Iterator[Metric]:
