@@ -1,0 +1,58 @@
+"""Start and stop a `kvserve serve` for a benchmark, and read its /metrics counters."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(options: list[str], port: int, log: Path) -> subprocess.Popen:
+    """`kvserve serve --port port *options`, once /health answers (at most 300 s)."""
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port),
+           "--log-level", "warning", *options]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    raise RuntimeError(f"the server did not come up in 300 s; see {log}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def metrics(base: str) -> dict[str, float]:
+    """Every sample of /metrics without labels, counters under their family name."""
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.labels:
+                out[family.name if sample.name.endswith("_total") else sample.name] = sample.value
+    return out
