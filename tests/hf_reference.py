@@ -74,3 +74,16 @@ def assert_same_greedy(ours: list[int], ref: HfGreedy) -> int:
     # HF stops early on EOS; we always run NEW_TOKENS steps, so only HF's length is compared.
     assert len(ours) >= len(ref.tokens)
     return len(ref.tokens)
+
+
+def serve_in_order(engine, prompts: list[list[int]], params) -> tuple[list[list[int]], list[int]]:
+    """One request at a time through an LLMEngine: (generated ids, cached prompt tokens)."""
+    outs, hits = [], []
+    for i, prompt in enumerate(prompts):
+        req = engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    outs.append(o.outputs[0].token_ids)
+        hits.append(req.num_cached_tokens)
+    return outs, hits

@@ -10,7 +10,7 @@ HF's and the engine's without the tier.
 from __future__ import annotations
 
 import pytest
-from hf_reference import NEW_TOKENS, assert_same_greedy, ledger_text
+from hf_reference import NEW_TOKENS, assert_same_greedy, ledger_text, serve_in_order
 from tiny_gemma import ByteTokenizer, tiny_gemma
 
 from kvserve.engine.engine import EngineConfig, LLMEngine
@@ -24,16 +24,7 @@ DOC = 600
 
 
 def serve(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """One request at a time: (greedy tokens, cached prompt tokens) per prompt."""
-    outs, hits = [], []
-    for i, prompt in enumerate(prompts):
-        req = engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
-        while engine.has_unfinished():
-            for o in engine.step():
-                if o.finished:
-                    outs.append(o.outputs[0].token_ids)
-        hits.append(req.num_cached_tokens)
-    return outs, hits
+    return serve_in_order(engine, prompts, GREEDY)
 
 
 def conversations(tokenizer, engine_factory) -> tuple[list[list[int]], list[list[int]], list]:
@@ -138,3 +129,19 @@ def test_host_file_must_be_new(tmp_path):
     path.write_bytes(b"x")
     with pytest.raises(ValueError, match="exists"):
         tiny_engine(kv_memory=64 << 10, host_kv_memory=64 << 10, host_kv_file=str(path))
+
+
+@pytest.mark.parametrize("seconds_per_token, loads", [(0.0, False), (1.0, True)])
+def test_a_cost_profile_decides_load_or_recompute(tmp_path, seconds_per_token, loads):
+    """Eq. 2 with a saved profile: free recompute never loads, costly recompute does."""
+    from kvserve.engine.cost_model import CostModel, LinearOp
+
+    path = tmp_path / "cost.json"
+    CostModel([LinearOp("linear", [seconds_per_token, 0.0])], {}).save(path)
+    texts = [f"conversation {i}: " + "abcdefghij" * 6 for i in range(6)]
+    prompts = [ByteTokenizer().encode(t) for t in texts]
+    engine = tiny_engine(kv_memory=128 << 10, host_kv_memory=1 << 20, cost_profile=str(path))
+    serve(engine, prompts + [p + [40, 41] for p in prompts])
+    host = engine.kv.stats().host
+    assert host.pages_out > 0
+    assert (host.hit_tokens > 0) == loads and (host.pages_in > 0) == loads

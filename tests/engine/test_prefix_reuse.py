@@ -12,7 +12,7 @@ document hitting the whole document, where the paper's plain LRU rules (out
 from __future__ import annotations
 
 import pytest
-from hf_reference import NEW_TOKENS, assert_same_greedy, ledger_text
+from hf_reference import NEW_TOKENS, assert_same_greedy, ledger_text, serve_in_order
 
 from kvserve.engine.engine import EngineConfig, LLMEngine
 from kvserve.engine.request import SamplingParams
@@ -51,14 +51,7 @@ def serve_in_turn(kv, questions, paper_rules: bool):
         for m in engine.kv.managers:
             m.reuse = None
         engine.kv.reuse.lost_key = lambda r, p, q: None
-    outs, hits = [], []
-    for i, prompt in enumerate(questions):
-        req = engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
-        while engine.has_unfinished():
-            for o in engine.step():
-                if o.finished:
-                    outs.append(o.outputs[0].token_ids)
-        hits.append(req.num_cached_tokens)
+    outs, hits = serve_in_order(engine, questions, GREEDY)
     return outs, hits, engine.kv
 
 

@@ -67,3 +67,42 @@ def test_counters_and_histograms_move_with_a_request(server: LiveServer, client)
                 if name in ("kvserve_kv_free_bytes", "kvserve_kv_used_bytes",
                             "kvserve_kv_evictable_bytes"))
     assert total == value(after, "kvserve_kv_pool_bytes")  # every byte is accounted for
+
+
+def test_host_tier_families_count_what_moved(kv) -> None:
+    """With --host-kv-memory: host bytes per layer type and the swap counters, moving as a
+    prompt evicted from a one-prompt pool comes back from the host tier."""
+    from conftest import live_server
+
+    from kvserve.engine.engine import EngineConfig, LLMEngine
+
+    prompts = [f"Story {i}: " + "the harbour master counted ships " * 50 for i in range(3)]
+    engine = LLMEngine(kv.model, kv.tokenizer,
+                       EngineConfig(kv_memory=16 << 20, host_kv_memory=64 << 20))
+    with live_server(engine) as server, httpx.Client(timeout=120) as http:
+        for p in [*prompts, prompts[0]]:
+            http.post(f"{server.base_url}/v1/completions",
+                      json={"model": MODEL, "prompt": p, "max_tokens": 1}).raise_for_status()
+        fams = _families(server)
+        m = server.metrics()
+    assert fams["kvserve_host_kv_bytes"].type == "gauge"
+    assert {s.labels["layer_type"] for s in fams["kvserve_host_kv_bytes"].samples} == \
+        {"full", "sliding"}
+    assert m[("kvserve_kv_swap_out_pages_total", ())] > 0
+    assert m[("kvserve_kv_swap_in_bytes_total", ())] > 0
+    assert m[("kvserve_prefix_cache_host_hit_tokens_total", ())] > 0
+    # whole large pages of the layout, at most what was asked
+    assert m[("kvserve_host_kv_pool_bytes", ())] == engine.kv.host.pool_bytes <= 64 << 20
+    assert "kvserve_host_kv_bytes" not in _families_of_plain(kv)
+
+
+def _families_of_plain(kv) -> set[str]:
+    """A server without a host tier shows none of its families."""
+    from kvserve.engine.engine import EngineConfig, LLMEngine
+    from kvserve.server.engine_loop import EngineSnapshot
+    from kvserve.server.metrics import ServerMetrics
+
+    engine = LLMEngine(kv.model, kv.tokenizer, EngineConfig(kv_memory=16 << 20))
+    snap = EngineSnapshot(0, 0, engine.kv.stats(), 0, 0, 0)
+    text = ServerMetrics().render(snap).decode()
+    return {f.name for f in text_string_to_metric_families(text)}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.cpu_features import bf16_missing, bf16_native, cpu_name
+from kvserve.engine.cost_model import CostModel
 from kvserve.engine.detokenizer import DetokState, detokenize_step, start_state
 from kvserve.engine.request import (
     CompletionOutput,
@@ -24,11 +25,12 @@ from kvserve.engine.runner import ModelRunner, attention_specs, check_kv_backend
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.scheduler import Scheduler
 from kvserve.memory import KVCacheManager
+from kvserve.memory.manager import LoadRule
 from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.loader import open_model
 from kvserve.models.quant import resolve_quantization
 from kvserve.models.virtual_attention import chunk_bytes_of, core_budget
-from kvserve.physical.host import HostPool
+from kvserve.physical.host import HostPool, copy_bandwidth
 from kvserve.physical.mempool import MemPool
 
 GiB = 1 << 30
@@ -56,6 +58,10 @@ class EngineConfig:
     # evicts, 0 for none; optionally in a new file, so it can exceed RAM.
     host_kv_memory: int = 0
     host_kv_file: str | None = None
+    # A saved exec(x, y) profile (engine/cost_model.py; benchmarks/cost_model.py --save):
+    # host-tier hits are loaded only when MemServe's Eq. 2 says that beats recomputing.
+    # None: always load (host memory moves KV far faster than any CPU recomputes it).
+    cost_profile: str | None = None
 
     def __post_init__(self) -> None:
         check_kv_backend(self.kv_backend)  # before a model is loaded for nothing
@@ -163,7 +169,7 @@ class LLMEngine:
         self.kv = KVCacheManager(
             specs, core_bytes, cfg.tokens_per_page,
             policy=cfg.policy, enable_caching=cfg.enable_prefix_caching,
-            host_bytes=cfg.host_kv_memory,
+            host_bytes=cfg.host_kv_memory, worth_loading=self._load_rule(cfg, model.device),
         )
         self.runner = ModelRunner(self.model, self.kv, bindings, shape, cfg.kv_backend,
                                   kv_bytes)
@@ -180,6 +186,18 @@ class LLMEngine:
         self._detok: dict[str, DetokState] = {}
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
         self._next_release = 0.0  # monotonic time of the next idle-memory check
+
+    @staticmethod
+    def _load_rule(cfg: EngineConfig, device: torch.device) -> LoadRule | None:
+        """Eq. 2 over the saved cost profile and this machine's host-to-device copy speed."""
+        if cfg.cost_profile is None or not cfg.host_kv_memory:
+            return None
+        cost = CostModel.load(cfg.cost_profile)
+        bandwidth = copy_bandwidth(device)
+
+        def worth(n: int, have: int, could: int, nbytes: int) -> bool:
+            return cost.worth_loading(n, have / n, could / n, nbytes, bandwidth)
+        return worth
 
     # ------------------------------------------------------------ idle memory
 

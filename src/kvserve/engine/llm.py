@@ -9,6 +9,7 @@ import torch
 
 from kvserve.engine.engine import EngineConfig, LLMEngine, PromptInput
 from kvserve.engine.request import RequestOutput, SamplingParams
+from kvserve.memory import Stats
 
 
 class LLM:
@@ -18,6 +19,7 @@ class LLM:
     kv_backend: "paged" (default) or "vtensor" (contiguous virtual KV, plain SDPA).
     kv_idle_release_s (an engine arg): under vtensor, KV memory unused this long goes
     back to the OS when `generate` finds it (default 60 s; see EngineConfig).
+    host_kv_memory (an engine arg): bytes of host memory keeping what the KV pool evicts.
     """
 
     def __init__(
@@ -37,6 +39,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def kv_stats(self) -> Stats:
+        """The KV memory now: bytes per layer type, prefix-cache tokens queried and hit,
+        and with a host tier (host_kv_memory=...) its bytes, swaps and hits (`.host`)."""
+        return self.engine.kv.stats()
 
     def generate(
         self,

@@ -26,6 +26,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "pool evicts; a later hit loads them back instead of recomputing")
     p.add_argument("--host-kv-file", default=None, metavar="PATH",
                    help="back the host tier with a new file at PATH, so it may exceed RAM")
+    p.add_argument("--cost-profile", default=None, metavar="JSON",
+                   help="host tier: a saved exec(x, y) profile (benchmarks/cost_model.py "
+                        "--save); loads only what beats recomputing (MemServe Eq. 2)")
     p.add_argument("--kv-idle-release-s", type=idle_seconds, default=None, metavar="SECONDS",
                    help="vtensor: KV memory (cached prefixes) unused this long goes back to "
                         "the OS; 'inf' never, 0 as soon as no request maps it (default 60: "
@@ -66,6 +69,7 @@ def model_config(args: argparse.Namespace, **engine_args: Any) -> Any:
         raise ValueError("--host-kv-memory takes bytes ('8G'), not a fraction")
     engine_args.setdefault("host_kv_memory", host or 0)
     engine_args.setdefault("host_kv_file", getattr(args, "host_kv_file", None))
+    engine_args.setdefault("cost_profile", getattr(args, "cost_profile", None))
     return EngineConfig(model=args.model, kv_memory=parse_memory(args.kv_memory),
                         dtype=args.dtype, quantization=args.quantization,
                         kv_backend=getattr(args, "kv_backend", "paged"), **engine_args)

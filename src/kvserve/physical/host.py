@@ -12,6 +12,7 @@ by a file, so the tier may exceed RAM (the OS pages it in and out).
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -77,3 +78,18 @@ def _widest(row_bytes: int) -> torch.dtype:
         if row_bytes % size == 0:
             return dtype
     return torch.uint8
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 32 << 20) -> float:
+    """Bytes/s of one host-to-device copy of `nbytes` (the fastest of three), as
+    copy_pages moves a run of pages: what a host-tier load costs per byte."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
