@@ -311,6 +311,8 @@ class LLMEngine:
         now = time.monotonic()
         for s, tok in zip(sampled, tokens):
             outputs.append(self._append_token(s.request, tok, now))
+        if self.mempool is not None:
+            self.mempool.write_behind()  # finished requests' pages, beside the next schedule
         return outputs
 
     def _append_token(self, req: Request, tok: int, now: float) -> RequestOutput:

@@ -20,6 +20,16 @@ or overwritten. Pages a logged copy reads or writes stay pinned (used) in
 the host pool until the flush, so no copy of the same flush can reuse them;
 a device page that is evicted, refilled and evicted again in one step shows
 up in the log in that order, and runs keep it.
+
+Write-behind keeps the write-backs off the step's critical path: when a
+request finishes, its cached pages are queued (`write_ahead`) and copied
+after the step's forward, beside the scheduling of the next step, which
+touches no KV bytes; the next flush waits for them first. A page evicted
+later finds its copy already here and costs nothing. The copies are
+duplicates while the device still caches the page, so they get the lowest
+key (DUPLICATE) and are the host tier's first to go; an eviction raises the
+page to its device key. Only a host tier at least twice the device pool
+writes behind: a smaller one would spend itself on duplicates.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from kvserve.memory.allocator import DEAD, OutOfPages, TwoLevelAllocator
 from kvserve.memory.spec import Layout
 
 WRITER = "host-tier"  # the host pool's one request: write-backs fill large pages in turn
+DUPLICATE = DEAD + 1  # key of a copy the device pool still caches: evicted first here
 
 # copy(to_host, spec, src pages, dst pages): move whole small pages of one spec
 Copier = Callable[[bool, int, list[int], list[int]], None]
@@ -59,6 +70,8 @@ class HostTier:
         self.alloc = TwoLevelAllocator(layout, num_large, partitioned)
         self.log: list[tuple[bool, int, int, int]] = []  # (to_host, spec, src, dst)
         self.pinned: list[tuple[int, int, int | None]] = []  # (spec, page, key to free with)
+        self.ahead: list[tuple[int, int, int]] = []  # write-behind copies: (spec, device, host)
+        self._raised: dict[tuple[int, int], int] = {}  # key of queued copies evicted since
         self.pages_out = self.pages_in = self.bytes_out = self.bytes_in = 0
         self.hit_tokens = 0
         self.dropped = 0
@@ -76,7 +89,9 @@ class HostTier:
         if key <= DEAD:  # serves no hit: not worth the copy
             return False
         hp = self.alloc.specs[s].cached.get(h)
-        if hp is not None:  # loaded earlier and still here: the same KV
+        if hp is not None:  # written behind or loaded earlier: the same KV
+            if self.alloc.specs[s].ref[hp]:  # its write-behind copy is still under way
+                self._raised[(s, hp)] = max(key, self._raised.get((s, hp), key))
             self.alloc.touch(s, [hp], key)
             return True
         try:
@@ -90,6 +105,29 @@ class HostTier:
         self.pages_out += 1
         self.bytes_out += self.layout.page_bytes[s]
         return True
+
+    def write_ahead(self, s: int, device_page: int, h: Hashable, plen: int) -> None:
+        """Queue a copy of a cached device page that may be evicted later (write-behind)."""
+        if h in self.alloc.specs[s].cached:
+            return
+        try:
+            [[hp]] = self.alloc.allocate(WRITER, [(s, 1)])
+        except OutOfPages:  # all pinned: the eviction will copy it, if it comes
+            return
+        self.alloc.insert(s, hp, h, plen)
+        self.ahead.append((s, device_page, hp))
+        self.pages_out += 1
+        self.bytes_out += self.layout.page_bytes[s]
+
+    def take_ahead(self) -> list[tuple[int, int, int]]:
+        """The queued write-behind copies, to make now (off the step's critical path)."""
+        batch, self.ahead = self.ahead, []
+        return batch
+
+    def ahead_done(self, batch: list[tuple[int, int, int]]) -> None:
+        """The copies of `batch` are made: their pages join the host tier."""
+        for s, _, hp in batch:
+            self.alloc.free(s, [hp], self._raised.pop((s, hp), DUPLICATE))
 
     def pin(self, s: int, h: Hashable) -> int:
         """The host page caching h, kept until the next flush (a load's source)."""
@@ -111,24 +149,22 @@ class HostTier:
     def flush(self, copy: Copier, now: int) -> int:
         """Make every logged copy, in order, one call per run and spec; returns the pages.
 
-        Then the pinned pages go back to the host pool: written pages as cache
-        under their device key, loaded ones as recently used.
+        Write-behind copies still queued go first (their device pages may be
+        refilled by this step's loads). Then the pinned pages go back to the
+        host pool: written pages as cache under their device key, loaded
+        ones as recently used.
         """
+        ahead = self.take_ahead()
+        play(copy, [(True, s, d, h) for s, d, h in ahead])
+        self.ahead_done(ahead)
         log, self.log = self.log, []
         try:
-            for to_host, run in itertools.groupby(log, key=lambda c: c[0]):
-                per_spec: dict[int, tuple[list[int], list[int]]] = {}
-                for _, s, src, dst in run:
-                    pair = per_spec.setdefault(s, ([], []))
-                    pair[0].append(src)
-                    pair[1].append(dst)
-                for s, (src, dst) in per_spec.items():
-                    copy(to_host, s, src, dst)
+            play(copy, log)
         finally:
             pinned, self.pinned = self.pinned, []
             for s, hp, key in pinned:
                 self.alloc.free(s, [hp], now if key is None else key)
-        return len(log)
+        return len(ahead) + len(log)
 
     def discard(self, s: int, h: Hashable, now: int) -> bool:
         """Forget the page caching h, if any."""
@@ -143,3 +179,15 @@ class HostTier:
             spec_bytes[spec.name] = (sp.n_used + sp.n_evictable) * pb
         return HostStats(self.pool_bytes, spec_bytes, self.pages_out, self.pages_in,
                          self.bytes_out, self.bytes_in, self.hit_tokens, self.dropped)
+
+
+def play(copy: Copier, log: list[tuple[bool, int, int, int]]) -> None:
+    """Make the copies of a log in order: one call per run of one direction and spec."""
+    for to_host, run in itertools.groupby(log, key=lambda c: c[0]):
+        per_spec: dict[int, tuple[list[int], list[int]]] = {}
+        for _, s, src, dst in run:
+            pair = per_spec.setdefault(s, ([], []))
+            pair[0].append(src)
+            pair[1].append(dst)
+        for s, (src, dst) in per_spec.items():
+            copy(to_host, s, src, dst)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Hashable, Sequence
 from dataclasses import dataclass
 
-from kvserve.memory.allocator import OutOfPages, RequestId, TwoLevelAllocator
+from kvserve.memory.allocator import DEAD, OutOfPages, RequestId, TwoLevelAllocator
 from kvserve.memory.baselines import POLICIES, policy_layout
 from kvserve.memory.host_tier import Copier, HostStats, HostTier
 from kvserve.memory.layer_types import (
@@ -125,6 +125,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.alloc = TwoLevelAllocator(self.layout, num_large, partitioned)
         self.host: HostTier | None = None
+        self.write_behind = False  # copy finished requests' pages ahead: see HostTier
         if host_bytes and enable_caching:
             num_host = host_bytes // self.layout.large_page_bytes
             if num_host < (len(self.layout.specs) if partitioned else 1):
@@ -132,6 +133,7 @@ class KVCacheManager:
                                  f"{self.layout.large_page_bytes} B per partition")
             self.host = HostTier(self.layout, num_host, partitioned)
             self.alloc.on_evict = self._write_back
+            self.write_behind = num_host * self.layout.large_page_bytes >= 2 * self.pool_bytes
         self.worth_loading = worth_loading
         self.managers: list[SpecManager] = [
             make_spec_manager(s, spec, self.alloc, self.T)
@@ -253,6 +255,27 @@ class KVCacheManager:
         for pid in pids:
             store(s, pid, sp.hash[pid], sp.plen[pid], sp.last[pid])
 
+    def _write_ahead(self, r: RequestKV) -> None:
+        """Queue the finished request's cached pages for write-behind (HostTier)."""
+        n = min(len(r.hashes), r.num_computed // self.T)
+        for m in self.managers:
+            if not m.swappable:
+                continue
+            sp, ahead = self.alloc.specs[m.s], self.host.write_ahead
+            for h in m.hit_keys(r, n) if n else ():
+                pid = sp.cached.get(h)
+                if pid is not None and not sp.ref[pid] and sp.last[pid] > DEAD:
+                    ahead(m.s, pid, h, sp.plen[pid])
+
+    def take_ahead(self) -> list[tuple[int, int, int]]:
+        """Write-behind copies (spec, device page, host page) queued since the last call;
+        make them before the next flush, then call ahead_done."""
+        return self.host.take_ahead() if self.host is not None else []
+
+    def ahead_done(self, batch: list[tuple[int, int, int]]) -> None:
+        if batch:
+            self.host.ahead_done(batch)
+
     def _load_from_host(self, r: RequestKV, p: int, q: int) -> int:
         """Extend a device hit of q blocks with pages from the host tier; the new hit.
 
@@ -306,14 +329,18 @@ class KVCacheManager:
         return self.host.flush(copy, self.now) if self.host is not None else 0
 
     def swap_out(self, num_pages: int) -> int:
-        """Write up to about num_pages cached device pages (least recently used large
-        pages first) to the host tier and free them; returns the pages written."""
+        """Evict about num_pages cached device pages, least recently used large pages
+        first, freeing them; those that can serve a hit stay in the host tier (written
+        now, or behind earlier). Returns the pages that left the device."""
         if self.host is None:
             return 0
-        before = self.host.pages_out
-        while self.host.pages_out - before < num_pages and self.alloc.evict(1):
-            pass
-        return self.host.pages_out - before
+        gone = 0
+        while gone < num_pages:
+            out = self.alloc.evict(1)
+            if not out:
+                break
+            gone += out
+        return gone
 
     def allocate_slots(self, req_id: RequestId, num_new_tokens: int) -> bool:
         """Give the next `num_new_tokens` tokens slots; False (and no change) if full."""
@@ -378,6 +405,8 @@ class KVCacheManager:
             raise KeyError(f"unknown request {req_id!r}")
         for m in self.managers:
             m.free_all(r, self._key(r))
+        if self.write_behind:
+            self._write_ahead(r)
         # An admission that was taken back computed nothing: no use to remember.
         if self.enable_caching and r.num_computed > r.num_hit:
             self.reuse.remember(r)

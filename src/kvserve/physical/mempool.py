@@ -21,6 +21,7 @@ the copies the scheduler's evictions and host-tier hits logged.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ import torch
 
 from kvserve.memory import KVCacheManager
 from kvserve.memory.allocator import TwoLevelAllocator
+from kvserve.memory.host_tier import Copier, play
 from kvserve.physical.host import HostPool, copy_pages
 from kvserve.physical.pool import KVPool
 
@@ -52,12 +54,34 @@ class MemPool:
         if (host is None) != (kv.host is None):
             raise ValueError("the host pool and the memory core's host tier go together")
         self.kv, self.device, self.host, self.instance = kv, device, host, instance
+        self._behind: _Copier | None = None
 
     # ------------------------------------------------------------------ engine
 
     def flush(self) -> int:
-        """Make the logged copies between the tiers; returns how many pages moved."""
+        """Make the logged copies between the tiers; returns how many pages moved.
+        Write-behind copies under way finish first."""
+        self._join()
         return self.kv.flush(self._copy)
+
+    def write_behind(self) -> None:
+        """Copy the pages finished requests left cached to the host tier in a thread,
+        beside what the engine does until its next flush (sampling, detokenizing,
+        scheduling: no KV bytes change before the next forward, which flushes first)."""
+        batch = self.kv.take_ahead()
+        if not batch:
+            return
+        self._join()
+        self._behind = _Copier(batch, self._copy)
+        self._behind.start()
+
+    def _join(self) -> None:
+        if self._behind is not None:
+            behind, self._behind = self._behind, None
+            behind.join()
+            self.kv.ahead_done(behind.batch)
+            if behind.error is not None:
+                raise behind.error
 
     def _copy(self, to_host: bool, s: int, src: list[int], dst: list[int]) -> None:
         dev, host = self.device.pages(s), self.host.pages(s)
@@ -190,6 +214,21 @@ class MemPool:
             sp = self._alloc(a.tier).specs[s]
             if sp.hash[a.page] is not None:
                 self._alloc(b.tier).insert(s, b.page, sp.hash[a.page], sp.plen[a.page])
+
+
+class _Copier(threading.Thread):
+    """Makes a batch of write-behind copies; an error is raised again by the join."""
+
+    def __init__(self, batch: list[tuple[int, int, int]], copy: Copier) -> None:
+        super().__init__(name="kvserve-write-behind", daemon=True)
+        self.batch, self.copy = batch, copy
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            play(self.copy, [(True, s, d, h) for s, d, h in self.batch])
+        except BaseException as e:  # noqa: BLE001 (handed to the engine thread)
+            self.error = e
 
 
 def _in_order(src: Sequence[Addr], dst: Sequence[Addr]) -> list[Addr]:
