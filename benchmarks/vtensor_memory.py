@@ -12,24 +12,28 @@ Prints physical / mapped / reserved KV bytes at the end of each burst and
 gap, and the peak.
 
 timeline (vtensor.md Fig. 11): the same engine under bursts of ShareGPT first
-turns (8, 3 and 12 requests, 10 s apart, 32 new tokens each; `--idle` s idle
-release); samples the vTensor memory after every step and every 0.1 s while
-idle, and plots physical / referenced / mapped bytes and the running batch
-against the paged backend's pool, which is reserved whole at start.
+exchanges (8, 3 and 12 requests, 30 s apart; each generates its answer's
+length, at most 96 tokens; `--idle` s idle release); samples the vTensor memory
+after every step and every 0.1 s while idle, and plots the physical bytes, the
+bytes running requests map, and the running batch against the paged
+backend's pool, which is reserved whole at start.
 
-chunks: per chunk, pAlloc + Map (one chunk, and a run of 16 as a prefill maps
-them), the first write to each page, Unmap, and the punch-hole that gives the
-memory back: the engine's 64 KiB chunk and the paper's 2 MiB, with and without
-MAP_POPULATE.
+chunks: per chunk, pAlloc + Map of a chunk the memfd must first allocate (one
+at a time, and in runs of 16 as a prefill maps them) and of one a released
+vTensor left allocated (lazy release), the first write to each page, Unmap,
+and the punch-hole that gives the memory back: the engine's 64 KiB chunk and
+the paper's 2 MiB, with and without MAP_POPULATE.
 
 steps: decode and prefill step time for the paged backend and for vtensor
 with and without Extend ahead, and where vtensor's maps happen (in `prepare`,
-before the forward, or in `commit`, after it) and what they cost.
+before the forward, or in `commit`, after it) and what they cost
+(`--kv-memory 512M`, `max_num_seqs` 16: the whole batch runs at once).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -88,48 +92,54 @@ def bursty(model, tokenizer, idle_s: float, gap_s: float) -> None:
 # ------------------------------------------------------------------ timeline
 
 
-def sharegpt_prompts(tokenizer, n: int, seed: int = 0, max_len: int = 400) -> list[list[int]]:
-    """`n` ShareGPT first user turns of 16..max_len tokens, drawn at random (seeded)."""
+def sharegpt_requests(tokenizer, n: int, seed: int = 0, max_len: int = 400,
+                      max_out: int = 96) -> list[tuple[list[int], int]]:
+    """`n` ShareGPT first exchanges drawn at random (seeded): the user turn's ids (16 to
+    `max_len` tokens) and the answer's length in tokens, capped at `max_out`."""
     from kvserve.datasets.sharegpt import load_conversations
 
-    texts = [c.first_exchange()[0] for c in load_conversations(limit=400)]
-    random.Random(seed).shuffle(texts)
+    exchanges = [c.first_exchange() for c in load_conversations(limit=400)]
+    random.Random(seed).shuffle(exchanges)
     out = []
-    for text in texts:
-        ids = tokenizer(text).input_ids
-        if 16 <= len(ids) <= max_len:
-            out.append(ids)
+    for question, answer in exchanges:
+        ids, answer_len = tokenizer(question).input_ids, len(tokenizer(answer).input_ids)
+        if 16 <= len(ids) <= max_len and answer_len >= 4:
+            out.append((ids, min(answer_len, max_out)))
         if len(out) == n:
             return out
-    raise RuntimeError(f"only {len(out)} ShareGPT prompts of 16..{max_len} tokens")
+    raise RuntimeError(f"only {len(out)} ShareGPT exchanges of 16..{max_len} tokens")
 
 
 def timeline(model, tokenizer, idle_s: float, png: Path, bursts=(8, 3, 12),
-             every_s: float = 10.0, kv_memory: int = 256 * MiB) -> None:
+             every_s: float = 30.0, kv_memory: int = 256 * MiB) -> None:
     engine = LLMEngine(model, tokenizer, EngineConfig(
         kv_memory=kv_memory, kv_backend="vtensor", kv_idle_release_s=idle_s))
-    prompts = sharegpt_prompts(tokenizer, sum(bursts))
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    # (t, physical, referenced, mapped MiB, running requests)
-    rows: list[tuple[float, float, float, float, int]] = []
+    reqs = sharegpt_requests(tokenizer, sum(bursts))
+    attn = engine.runner.attn
+    # (t, physical, referenced, mapped, mapped by running requests (MiB), running requests)
+    rows: list[tuple[float, float, float, float, float, int]] = []
     t0 = time.monotonic()
 
     def sample() -> None:
-        s = engine.runner.attn.stats()
+        s = attn.stats()
+        in_use = sum(len(vt.chunks) for pool in attn.pools for vt in pool.active.values())
         rows.append((time.monotonic() - t0, s["physical_bytes"] / MiB,
-                     s["referenced_bytes"] / MiB, s["mapped_bytes"] / MiB, s["active"]))
+                     s["referenced_bytes"] / MiB, s["mapped_bytes"] / MiB,
+                     in_use * s["chunk_bytes"] / MiB, s["active"]))
 
     starts = [i * every_s for i in range(len(bursts))]
-    end = starts[-1] + every_s + idle_s * 1.25 + 2  # the last burst's memory goes back too
-    sent, k = 0, 0
-    while time.monotonic() - t0 < end:
+    linger = idle_s * 1.25 + 3  # after the last answer: time for its memory to go back
+    sent, k, last_busy = 0, 0, 0.0
+    while k < len(bursts) or time.monotonic() - last_busy < linger:
         if k < len(bursts) and time.monotonic() - t0 >= starts[k]:
-            for p in prompts[sent:sent + bursts[k]]:
-                engine.add_request(f"r{sent}", {"prompt_token_ids": [2] + p}, params)
+            for ids, out_len in reqs[sent:sent + bursts[k]]:
+                engine.add_request(f"r{sent}", {"prompt_token_ids": [2] + ids}, SamplingParams(
+                    temperature=0, max_tokens=out_len, ignore_eos=True))
                 sent += 1
             k += 1
         if engine.has_unfinished():
             engine.step()
+            last_busy = time.monotonic()
         else:
             time.sleep(0.1)
         engine.maybe_release_idle()
@@ -140,10 +150,11 @@ def timeline(model, tokenizer, idle_s: float, png: Path, bursts=(8, 3, 12),
     print(f"{sum(bursts)} requests in bursts of {bursts}, {every_s:.0f} s apart, idle release "
           f"{idle_s:g} s: peak physical {peak:.1f} MiB, mean {integral / span:.1f} MiB over "
           f"{span:.0f} s (the paged pool: {kv_memory / MiB:.0f} MiB throughout), "
-          f"{rows[-1][1]:.1f} MiB at the end")
-    for t, phys, ref, mapped, active in rows[::max(1, len(rows) // 40)]:
+          f"{rows[-1][1]:.1f} MiB at the end; {engine.scheduler.num_preemptions} preemptions "
+          f"(the memory core admits {engine.kv.pool_bytes / MiB:.0f} MiB of KV: core_budget)")
+    for t, phys, ref, mapped, in_use, active in rows[::max(1, len(rows) // 40)]:
         print(f"  t={t:6.1f} s  physical {phys:6.1f}  referenced {ref:6.1f}  mapped "
-              f"{mapped:6.1f} MiB  running {active}")
+              f"{mapped:6.1f}  by running requests {in_use:6.1f} MiB  running {active}")
     plot_timeline(rows, starts, bursts, idle_s, kv_memory / MiB, png)
     print(f"wrote {png}")
 
@@ -159,12 +170,10 @@ def plot_timeline(rows, starts, bursts, idle_s: float, static_mib: float, png: P
                                  gridspec_kw={"height_ratios": [3, 1]})
     ax.axhline(static_mib, color="tab:red", ls="--", lw=1.5,
                label=f"paged pool: {static_mib:.0f} MiB reserved at start")
-    ax.plot(t, [r[3] for r in rows], color="tab:orange", lw=1,
-            label="mapped (a shared chunk once per request)")
-    ax.plot(t, [r[2] for r in rows], color="tab:green", lw=1, ls=":",
-            label="referenced (requests, caches, prefix trees)")
     ax.fill_between(t, [r[1] for r in rows], color="tab:blue", alpha=0.35, step="post",
-                    label="physical (memfd blocks held)")
+                    label="physical (memfd blocks held: running, cached for reuse)")
+    ax.step(t, [r[4] for r in rows], where="post", color="tab:orange", lw=1.2,
+            label="mapped by running requests")
     for s, n in zip(starts, bursts):
         ax.axvline(s, color="gray", lw=0.6)
         ax.annotate(f"{n} requests", (s, static_mib * 0.9), fontsize=8, xytext=(3, 0),
@@ -173,7 +182,7 @@ def plot_timeline(rows, starts, bursts, idle_s: float, static_mib: float, png: P
            title=f"vTensor KV memory under bursty ShareGPT (Gemma 3 270M, idle release "
                  f"{idle_s:g} s)")
     ax.legend(loc="center right", fontsize=8)
-    bx.step(t, [r[4] for r in rows], where="post", color="black", lw=1)
+    bx.step(t, [r[5] for r in rows], where="post", color="black", lw=1)
     bx.set(xlabel="time (s)", ylabel="running")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -185,42 +194,44 @@ def plot_timeline(rows, starts, bursts, idle_s: float, static_mib: float, png: P
 
 
 def chunk_costs(chunk_bytes: int, populate: bool, n: int = 128, run: int = 16,
-                reps: int = 3) -> dict[str, float]:
-    """Median us per chunk: pAlloc + Map alone and in runs of `run`, first touch, Unmap, punch."""
+                reps: int = 5) -> dict[str, float]:
+    """Median us per chunk: pAlloc + Map of a fresh chunk (alone and in runs of `run`), of
+    a reused one, the first write to its pages, Unmap, and the punch-hole."""
     backend = CpuBackend(chunk_bytes, n, max_mappings=10_000, populate=populate,
                          name="kvserve-bench")
     pool = ChunkPool(backend)
     cb = chunk_bytes
-    times: dict[str, list[float]] = {k: [] for k in ("map", "map_run", "touch", "unmap",
-                                                     "punch")}
+    times: dict[str, list[float]] = {k: [] for k in ("fresh", "run", "reused", "touch",
+                                                     "unmap", "punch")}
+
+    def grow(vt: VTensor, k: int) -> float:
+        t = time.perf_counter()
+        c = pool.alloc(k, after=vt.chunks[-1] if vt.chunks else None)
+        vt.map(c)
+        pool.decref(c)
+        return time.perf_counter() - t
+
     for _ in range(reps):
         vt = VTensor(pool, n)
-        for i in range(n):  # one chunk at a time, as a decode Extend does
-            t0 = time.perf_counter()
-            c = pool.alloc(1, after=vt.chunks[-1] if vt.chunks else None)
-            vt.map(c)
-            pool.decref(c)
-            t1 = time.perf_counter()
+        for i in range(n):  # one chunk at a time, as a decode Extend does; the memfd is empty
+            times["fresh"].append(grow(vt, 1))
+            t = time.perf_counter()
             page, _owner = backend.buffer(vt.addr + i * cb, cb)
             page[::PAGE_BYTES] = 1  # one byte a page: the page-table cost, not bandwidth
-            t2 = time.perf_counter()
+            times["touch"].append(time.perf_counter() - t)
             del page, _owner
-            times["map"].append(t1 - t0)
-            times["touch"].append(t2 - t1)
+        vt.unmap(0)  # released, not punched: the chunks keep their memory (lazy release)
+        for _ in range(n):  # what a cached chunk costs to map again
+            times["reused"].append(grow(vt, 1))
         for i in reversed(range(n)):
             t0 = time.perf_counter()
             vt.unmap(i)
             t1 = time.perf_counter()
             pool.punch()
-            t2 = time.perf_counter()
             times["unmap"].append(t1 - t0)
-            times["punch"].append(t2 - t1)
+            times["punch"].append(time.perf_counter() - t1)
         for _ in range(0, n, run):  # a run at a time, as a prefill's Extend does
-            t0 = time.perf_counter()
-            c = pool.alloc(run, after=vt.chunks[-1] if vt.chunks else None)
-            vt.map(c)
-            pool.decref(c)
-            times["map_run"].append((time.perf_counter() - t0) / run)
+            times["run"].append(grow(vt, run) / run)
         vt.free()
         pool.punch()
     backend.close()
@@ -228,13 +239,13 @@ def chunk_costs(chunk_bytes: int, populate: bool, n: int = 128, run: int = 16,
 
 
 def chunks() -> None:
-    print("us per chunk (median): pAlloc+Map | in runs of 16 | first write (1 B/page) | "
-          "Unmap | punch-hole")
+    print("| chunk | mapping | pAlloc+Map, fresh | in runs of 16 | reused | first write "
+          "(1 B/page) | Unmap | punch-hole |")
     for cb in (64 << 10, 2 << 20):
         for populate in (True, False):
             c = chunk_costs(cb, populate)
             print(f"| {cb >> 10} KiB | {'MAP_POPULATE' if populate else 'demand faults'} | "
-                  f"{c['map']:.1f} | {c['map_run']:.1f} | {c['touch']:.1f} | "
+                  f"{c['fresh']:.1f} | {c['run']:.1f} | {c['reused']:.1f} | {c['touch']:.1f} | "
                   f"{c['unmap']:.1f} | {c['punch']:.1f} |")
 
 
@@ -275,7 +286,11 @@ class MapClock:
 
 
 def make_engine(model, tokenizer, backend: str, ahead: int | None) -> LLMEngine:
-    engine = LLMEngine(model, tokenizer, EngineConfig(kv_memory=256 * MiB, kv_backend=backend))
+    # max_num_seqs 16: under vtensor the memory core keeps chunk-rounding slack for every
+    # possible request (core_budget); with the default 256 a 256 MiB ceiling admits 51 MiB,
+    # and the batch of 8 would not all run at once.
+    engine = LLMEngine(model, tokenizer, EngineConfig(kv_memory=512 * MiB, kv_backend=backend,
+                                                      max_num_seqs=16))
     if backend == "vtensor" and ahead is not None:
         engine.runner.attn.ahead_tokens = ahead
     return engine
@@ -293,12 +308,14 @@ def decode_steps(model, tokenizer, backend: str, ahead: int | None, batch: int =
     while any(r.num_computed < len(r.prompt_token_ids) for r in engine.requests.values()):
         engine.step()
     engine.step()
+    assert len(engine.requests) == batch and not engine.scheduler.waiting, "not one batch"
     clock = MapClock(engine) if backend == "vtensor" else None
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
+    assert engine.scheduler.num_preemptions == 0 and len(engine.scheduler.running) == batch
     out = {"median_ms": statistics.median(times) * 1e3, "mean_ms": statistics.mean(times) * 1e3}
     if clock is not None:
         for ph in ("prepare", "commit"):
@@ -362,8 +379,11 @@ def main() -> None:
                     help="kv_idle_release_s (bursty: 1, timeline: 5)")
     ap.add_argument("--gap", type=float, default=2.5, help="bursty: seconds between bursts")
     ap.add_argument("--png", type=Path, default=Path("docs/img/vtensor_memory.png"))
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     args = ap.parse_args()
-    print(f"CPU: {summary()}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"CPU: {summary()}; load average {os.getloadavg()[0]:.2f}")
     if args.what == "chunks":
         chunks()
         return

@@ -113,6 +113,19 @@ def test_chunk_sizes_are_validated():
         VTensorPool(3000, 100, chunks=ChunkPool(CpuBackend(C, 4, 10)))
 
 
+def test_alloc_takes_the_chunks_after_then_the_lowest_run_then_the_lowest_ones():
+    chunks = ChunkPool(CpuBackend(C, 12, 100, name=f"vt-test-{os.getpid()}-{next(_names)}"))
+    chunks.alloc(12)
+    chunks.decref([1, 2, 4, 5, 6, 9, 10, 11])
+    assert chunks.alloc(2, after=3) == [4, 5]  # where the caller's last chunk left off
+    assert chunks.alloc(3) == [9, 10, 11]  # 1 2 and 6 are lower, but no run of 3
+    assert chunks.alloc(3, after=0) == [1, 2, 6]  # 1 2 follow 0; then the lowest free
+    chunks.decref([0, 3, 8])
+    assert chunks.alloc(2) == [0, 3]  # no run of 2 left: the lowest ones
+    assert chunks.free == {8} and chunks.ref == [1] * 8 + [0] + [1] * 3
+    chunks.backend.close()
+
+
 def test_growing_request_is_one_contiguous_tensor_and_one_vma():
     pool = make_pool()
     pool.create("a")

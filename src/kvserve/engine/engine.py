@@ -81,15 +81,23 @@ class EngineConfig:
 def check_idle_release(seconds: object) -> float:
     """Seconds >= 0 (math.inf: never) after which unused vTensor KV memory is given back.
 
-    The default, 60 s, sits above a multi-turn chat's think time (a user reads
-    and types for some tens of seconds between turns): giving the memory back
-    sooner would turn the next turn's prefix hit into a recompute of the whole
-    conversation, while an engine left idle for a minute has likely lost that
-    conversation anyway and its memory is better returned to the host. 0 gives
-    memory back as soon as no request uses it. Both sides, measured on Gemma 3
-    270M (float32, one AVX2 EPYC thread): a 1,000-token conversation holds
-    38 MiB of vTensor chunks; its next turn (+40 tokens) took 0.3 s with them
-    and 4.1 s after they were given back (the whole history recomputed).
+    The default, 60 s, weighs both sides on multi-turn ShareGPT
+    (`benchmarks/vtensor_idle.py`, docs/benchmarks.md: 10 sessions, 38 requests,
+    think times between turns exponential with a 10 s mean, Gemma 3 270M on two
+    shared AVX2 cores). Released at once (0 s), every prefix hit of a later turn
+    was recomputed (7,296 of 7,296 hit tokens; later turns' TTFT p50 1.5 s);
+    after 5 s, 71% still were (TTFT p50 0.65 s: 0.32 s after a think of at most
+    5 s, 1.3 s after a longer one); after 60 s only the chunk rounding was, as
+    with never (192 tokens; TTFT p50 0.28 s). The other side: physical KV x time
+    over the run was 2,408 / 3,299 / 10,034 / 11,855 MiB s (0 / 5 / 60 s / never),
+    peak 72 / 80 / 127 / 132 MiB, and at 60 s all of it was back 71 s after the
+    last answer. Holding costs the engine nothing: cached chunks are reclaimed
+    on demand when running requests need memory, whatever this timer; it only
+    decides when an idle engine hands memory back to the host. A chat user reads
+    and types for tens of seconds between turns (an assumption: ShareGPT has no
+    timestamps), longer than the benchmark's mean, so a few seconds lose most
+    hits, while 60 s keeps an active conversation's follow-ups and still returns
+    a quiet server's memory within 75 s (the timeout plus a quarter, the poll).
     """
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
         raise ValueError(f"kv_idle_release_s must be a number of seconds, got {seconds!r}")

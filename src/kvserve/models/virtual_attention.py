@@ -35,8 +35,9 @@ Step protocol (the paper's §5.4 scheduler operations):
   taken back first when memory is short), so a decode step finds its memory
   mapped and `prepare` maps only for prefill. This engine is synchronous, so
   the maps are moved out of the step's start, not overlapped with compute
-  as on a GPU; at 64 KiB chunks they cost ~10 us each, once per request,
-  layer and 32 tokens (docs/benchmarks.md), which is why that is enough.
+  as on a GPU; at 64 KiB chunks a map costs 15 us (a chunk kept by a lazy
+  release) to 60 us (fresh memory), once per request, layer and 32 tokens:
+  ~0.1% of a decode step (docs/benchmarks.md), which is why that is enough.
 * `release` (the engine calls it when a request finishes or aborts) and
   `retain` (each step, with the running requests: a preempted one is
   released) *Release* lazily: chunks stay mapped until memory is needed.
@@ -378,7 +379,9 @@ def core_budget(kv_bytes: int, num_layers: int, chunk_bytes: int, page_bytes: in
     ending mid-chunk is recomputed into its own chunk), up to two chunks per
     layer more than its pages. That slack is kept out of the core's budget for
     as many requests as can run: `max_seqs`, or as many as hold one page per
-    layer each, whichever is fewer. Not covered: vTensor prefix trees trimmed
+    layer each, whichever is fewer. Extend ahead's head starts need no slack:
+    they come from free chunks only and are taken back first when a request
+    needs one (`VTensorPool._reclaim`). Not covered: vTensor prefix trees trimmed
     (idle release) under the core's cache while several requests share that
     prefix at once; Extend then reclaims the vTensor caches, and a step that
     still finds no chunk fails with OutOfPhysicalMemory.
