@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-from serving import free_port, metrics, start_server, stop_server
+from serving import bench_multi_turn, free_port, metrics, start_server, stop_server
 
 from kvserve.bench.report import distribution
 from kvserve.cpu_features import summary
@@ -41,14 +39,7 @@ def one_run(host: str, args: argparse.Namespace) -> dict:
         options += ["--host-kv-memory", host]
     server = start_server(options, port, args.out / f"host_{host}.server.log")
     try:
-        subprocess.run(
-            [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", base,
-             "--dataset", "sharegpt", "--multi-turn", "--num-prompts", str(args.sessions),
-             "--request-rate", str(args.rate), "--think-time", str(args.think_time),
-             "--max-tokens", str(args.max_tokens), "--max-prompt-tokens",
-             str(args.max_prompt_tokens), "--seed", str(args.seed), "--no-progress",
-             "--output", str(report_path)],
-            check=True, stdout=subprocess.DEVNULL)
+        bench_multi_turn(base, report_path, args)
         counters = metrics(base)
     finally:
         stop_server(server)

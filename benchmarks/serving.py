@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import signal
 import socket
 import subprocess
@@ -45,6 +46,19 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def bench_multi_turn(base: str, report: Path, args: argparse.Namespace) -> None:
+    """`kvserve bench serve --multi-turn` against base with the script's options
+    (sessions, rate, think_time, max_tokens, max_prompt_tokens, seed); JSON to report."""
+    subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", base,
+         "--dataset", "sharegpt", "--multi-turn", "--num-prompts", str(args.sessions),
+         "--request-rate", str(args.rate), "--think-time", str(args.think_time),
+         "--max-tokens", str(args.max_tokens), "--max-prompt-tokens",
+         str(args.max_prompt_tokens), "--seed", str(args.seed), "--no-progress",
+         "--output", str(report)],
+        check=True, stdout=subprocess.DEVNULL)
 
 
 def metrics(base: str) -> dict[str, float]:

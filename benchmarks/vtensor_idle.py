@@ -25,16 +25,13 @@ import argparse
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from serving import bench_multi_turn, free_port, start_server, stop_server
 
 from kvserve.bench.report import distribution
 from kvserve.cpu_features import summary
@@ -42,40 +39,6 @@ from kvserve.cpu_features import summary
 MiB = 1 << 20
 GAUGES = ("kvserve_vtensor_physical_bytes", "kvserve_vtensor_mapped_bytes",
           "kvserve_vtensor_referenced_bytes")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(idle: str, port: int, kv_memory: str, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port),
-           "--kv-backend", "vtensor", "--kv-idle-release-s", idle, "--kv-memory", kv_memory,
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    raise RuntimeError(f"the server did not come up in 300 s; see {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 class Sampler(threading.Thread):
@@ -122,19 +85,14 @@ def one_run(idle: str, args: argparse.Namespace) -> dict:
     base = f"http://127.0.0.1:{port}"
     args.out.mkdir(parents=True, exist_ok=True)
     report_path = args.out / f"idle_{idle}.bench.json"
-    server = start_server(idle, port, args.kv_memory, args.out / f"idle_{idle}.server.log")
+    options = ["--kv-backend", "vtensor", "--kv-idle-release-s", idle,
+               "--kv-memory", args.kv_memory]
+    server = start_server(options, port, args.out / f"idle_{idle}.server.log")
     sampler = Sampler(base)
     try:
         sampler.start()
         t0 = time.monotonic()
-        subprocess.run(
-            [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", base,
-             "--dataset", "sharegpt", "--multi-turn", "--num-prompts", str(args.sessions),
-             "--request-rate", str(args.rate), "--think-time", str(args.think_time),
-             "--max-tokens", str(args.max_tokens), "--max-prompt-tokens",
-             str(args.max_prompt_tokens), "--seed", str(args.seed), "--no-progress",
-             "--output", str(report_path)],
-            check=True, stdout=subprocess.DEVNULL)
+        bench_multi_turn(base, report_path, args)
         t1 = time.monotonic()
         held_at_end = sampler.latest()
         tail = 10.0 if idle == "inf" else min(args.max_tail, float(idle) * 1.25 + 5)
