@@ -40,21 +40,18 @@ def conversations(tokenizer, engine_factory) -> tuple[list[list[int]], list[list
 
 @pytest.mark.slow
 def test_turns_evicted_to_the_host_tier_hit_with_the_same_tokens(kv, hf_greedy):
-    def engine(host: int):
-        return lambda: LLMEngine(kv.model, kv.tokenizer,
-                                 EngineConfig(kv_memory=32 * MiB, host_kv_memory=host))
+    def engine():
+        return LLMEngine(kv.model, kv.tokenizer,
+                         EngineConfig(kv_memory=32 * MiB, host_kv_memory=256 * MiB))
 
-    first, second, tiered = conversations(kv.tokenizer, engine(256 * MiB))
+    first, second, tiered = conversations(kv.tokenizer, engine)
     outs, hits = serve(tiered, second)
     host = tiered.kv.stats().host
     assert host.pages_out > 0 and host.pages_in > 0
+    # The pool holds about one conversation: without the tier the second turns of
+    # the first two would find nothing (test_tiny_model_... shows the difference).
     assert all(h >= len(p) - 16 for h, p in zip(hits, first)), hits  # whole first turns
-    assert host.hit_tokens >= sum(len(p) for p in first) - 3 * 16 - hits[-1]
-
-    _, _, plain = conversations(kv.tokenizer, engine(0))
-    plain_outs, plain_hits = serve(plain, second)
-    assert sum(hits) > sum(plain_hits) + 2 * DOC  # fewer prompt tokens computed
-    assert outs == plain_outs
+    assert host.hit_tokens >= sum(len(p) for p in first[:2]) - 2 * 16
     for prompt, out in zip(second, outs, strict=True):
         assert_same_greedy(out, hf_greedy(prompt))
 

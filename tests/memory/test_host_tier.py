@@ -16,6 +16,7 @@ from test_properties import SPECS, MemoryCore, T
 
 from kvserve.memory import KVCacheManager, KVSpec, LayerKind, OutOfPages
 from kvserve.memory.allocator import DEAD
+from kvserve.memory.baselines import policy_layout
 from kvserve.memory.host_tier import HostTier
 from kvserve.memory.prefix_cache import extend_block_hashes
 
@@ -55,8 +56,8 @@ class TieredCore(MemoryCore):
     @initialize(policy=st.sampled_from(["jenga", "jenga", "static"]),
                 large_pages=st.integers(8, 24), host_pages=st.integers(7, 40))
     def setup(self, policy, large_pages, host_pages):
-        probe = KVCacheManager(self.specs, 1 << 30, tokens_per_page=T, policy=policy)
-        large = probe.layout.large_page_bytes
+        probe = policy_layout(policy, self.specs, T)[0]
+        large = probe.large_page_bytes
         self.mgr = KVCacheManager(self.specs, large * large_pages, tokens_per_page=T,
                                   policy=policy, host_bytes=large * host_pages)
         self.content = {}
@@ -131,7 +132,10 @@ class TieredText(TieredCore):
         self.check_hit(rid, self.mgr.lookup(rid))
 
 
-TieredText.TestCase.settings = TieredCore.TestCase.settings
+TieredText.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestTieredText = TieredText.TestCase
 
 
@@ -159,8 +163,8 @@ def doc(i: int, n: int = 64) -> list[int]:
 
 
 def small_pool(pages: int, host_pages: int, specs=(FULL,)) -> KVCacheManager:
-    probe = KVCacheManager(specs, 1 << 30, tokens_per_page=8)
-    large = probe.layout.large_page_bytes
+    probe = policy_layout("jenga", specs, 8)[0]
+    large = probe.large_page_bytes
     return KVCacheManager(specs, pages * large, tokens_per_page=8, host_bytes=host_pages * large)
 
 
@@ -178,8 +182,8 @@ def test_an_evicted_prefix_hits_from_the_host_tier():
 
 
 def test_without_a_host_tier_the_same_trace_misses():
-    probe = KVCacheManager((FULL, SWA), 1 << 30, tokens_per_page=8)
-    mgr = KVCacheManager((FULL, SWA), 20 * probe.layout.large_page_bytes, tokens_per_page=8)
+    probe = policy_layout("jenga", (FULL, SWA), 8)[0]
+    mgr = KVCacheManager((FULL, SWA), 20 * probe.large_page_bytes, tokens_per_page=8)
     for i in range(4):
         run(mgr, i, doc(i) + [1])
     assert run(mgr, "b", doc(0) + [2, 3]) < 64
@@ -245,8 +249,8 @@ def test_worth_loading_can_refuse_and_is_told_the_bytes():
         seen.append((n, have, could, nbytes))
         return False
 
-    probe = KVCacheManager((FULL,), 1 << 30, tokens_per_page=8)
-    large = probe.layout.large_page_bytes
+    probe = policy_layout("jenga", (FULL,), 8)[0]
+    large = probe.large_page_bytes
     mgr = KVCacheManager((FULL,), 9 * large, tokens_per_page=8, host_bytes=64 * large,
                          worth_loading=refuse)
     tiers = Tiers({})
@@ -276,9 +280,9 @@ def test_host_tier_needs_a_large_page():
 
 
 def test_out_of_pages_is_still_raised_by_the_host_allocator():
-    probe = KVCacheManager((FULL,), 1 << 30, tokens_per_page=8)
-    host = HostTier(probe.layout, 1)
-    k = probe.layout.pages_per_large[0]
+    probe = policy_layout("jenga", (FULL,), 8)[0]
+    host = HostTier(probe, 1)
+    k = probe.pages_per_large[0]
     host.alloc.allocate("x", [(0, k)])  # pinned by someone: nothing left to evict
     assert not host.store(0, 0, "h", 8, 5) and host.dropped == 1
     with pytest.raises(OutOfPages):

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from invariants import check_invariants
 
 from kvserve.memory import NO_PAGE, ImageInput, KVCacheManager, KVSpec, LayerKind
+from kvserve.memory.baselines import policy_layout
 
 T = 8
 SPECS = [
@@ -49,9 +50,9 @@ class MemoryCore(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["jenga", "jenga", "static", "max_page"]),
                 large_pages=st.integers(8, 40))
     def setup(self, policy, large_pages):
-        probe = KVCacheManager(SPECS, 1 << 30, tokens_per_page=T, policy=policy)
+        probe = policy_layout(policy, SPECS, T)[0]
         self.mgr = KVCacheManager(
-            SPECS, probe.layout.large_page_bytes * large_pages, tokens_per_page=T, policy=policy
+            SPECS, probe.large_page_bytes * large_pages, tokens_per_page=T, policy=policy
         )
         self.content = {}  # (spec, pid) -> {slot: identity}
         self.prompt_len = {}

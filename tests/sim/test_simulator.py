@@ -125,7 +125,7 @@ def test_shared_articles_hit_the_prefix_cache() -> None:
 
 
 def test_a_host_tier_turns_evicted_articles_into_hits_and_costs_pcie_time() -> None:
-    trace = arxiv_qa(articles=8, questions=4, article_lo=6000, article_hi=8000, rate=2.0)
+    trace = arxiv_qa(articles=6, questions=3, article_lo=4000, article_hi=6000, rate=2.0)
     plain = simulate(trace, small_config("llama-3.1-8b", "jenga", kv_mib=1024))
     tiered = simulate(trace, small_config("llama-3.1-8b", "jenga", kv_mib=1024,
                                           host_bytes=8 << 30))
@@ -137,7 +137,7 @@ def test_a_host_tier_turns_evicted_articles_into_hits_and_costs_pcie_time() -> N
 
 
 def test_loads_that_cost_more_than_recompute_are_refused() -> None:
-    trace = arxiv_qa(articles=8, questions=4, article_lo=6000, article_hi=8000, rate=2.0)
+    trace = arxiv_qa(articles=6, questions=3, article_lo=4000, article_hi=6000, rate=2.0)
     cfg = small_config("llama-3.1-8b", "jenga", kv_mib=1024, host_bytes=8 << 30)
     cfg.gpu = dataclasses.replace(cfg.gpu, pcie_bandwidth=1e6)  # 1 MB/s: never worth it
     s = summary(simulate(trace, cfg))
