@@ -142,3 +142,26 @@ def test_a_cost_profile_decides_load_or_recompute(tmp_path, seconds_per_token, l
     host = engine.kv.stats().host
     assert host.pages_out > 0
     assert (host.hit_tokens > 0) == loads and (host.pages_in > 0) == loads
+
+
+def test_aborts_and_preemptions_leave_no_page_held_on_either_tier():
+    """Requests aborted mid-prefill or mid-decode, and preempted ones, under a pool that
+    evicts every few steps: afterwards no device page is used and, once the write-behind
+    copies are joined, no host page is pinned."""
+    engine = tiny_engine(kv_memory=96 << 10, host_kv_memory=1 << 20,
+                         max_num_batched_tokens=24)
+    texts = [f"request {i}: " + "klmnopqrst" * (3 + i % 4) for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i, t in enumerate(texts * 2):
+        engine.add_request(f"r{i}", t, params)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps % 3 == 0:  # abort whichever request is oldest now
+            engine.abort_request(next(iter(engine.requests)))
+    engine.mempool.flush()
+    st = engine.kv.stats()
+    assert st.used == 0 and all(sp.n_used == 0 for sp in engine.kv.host.alloc.specs)
+    assert st.host.pages_out > 0 and st.host.hit_tokens > 0
+    assert engine.scheduler.num_preemptions > 0
