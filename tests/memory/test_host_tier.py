@@ -17,6 +17,7 @@ from test_properties import SPECS, MemoryCore, T
 from kvserve.memory import KVCacheManager, KVSpec, LayerKind, OutOfPages
 from kvserve.memory.allocator import DEAD
 from kvserve.memory.baselines import policy_layout
+from kvserve.memory.host_tier import DUPLICATE as HOST_DUPLICATE
 from kvserve.memory.host_tier import HostTier
 from kvserve.memory.prefix_cache import extend_block_hashes
 
@@ -287,3 +288,22 @@ def test_out_of_pages_is_still_raised_by_the_host_allocator():
     assert not host.store(0, 0, "h", 8, 5) and host.dropped == 1
     with pytest.raises(OutOfPages):
         host.alloc.allocate("y", [(0, 1)])
+
+
+def test_a_page_evicted_while_written_behind_keeps_its_device_key():
+    """Write-behind copies are duplicates (lowest key) until the device evicts the page;
+    an eviction while the copy is still under way gives it the device key at once."""
+    mgr = small_pool(pages=9, host_pages=32)
+    assert mgr.write_behind
+    tiers = Tiers({})
+    run(mgr, 0, doc(0) + [1], tiers)  # finish queues doc 0's pages behind
+    assert len(mgr.host.ahead) == 8
+    mgr.begin_step()
+    mgr.add_request(1, doc(1) + [1])
+    mgr.lookup(1)
+    assert mgr.allocate_slots(1, 65)  # evicts doc 0 while its copies are queued
+    mgr.flush(tiers.copy)
+    sp = mgr.host.alloc.specs[0]
+    keys = {sp.last[hp] for h, hp in sp.cached.items() if h in block_keys(0)}
+    assert len(keys) == 1 and keys.pop() > HOST_DUPLICATE
+    assert mgr.host.pages_out == 8  # written once, behind; the eviction copied nothing

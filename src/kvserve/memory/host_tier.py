@@ -71,7 +71,8 @@ class HostTier:
         self.log: list[tuple[bool, int, int, int]] = []  # (to_host, spec, src, dst)
         self.pinned: list[tuple[int, int, int | None]] = []  # (spec, page, key to free with)
         self.ahead: list[tuple[int, int, int]] = []  # write-behind copies: (spec, device, host)
-        self._raised: dict[tuple[int, int], int] = {}  # key of queued copies evicted since
+        self._behind: set[tuple[int, int]] = set()  # host pages of write-behind copies
+        self._raised: dict[tuple[int, int], int] = {}  # key of those evicted since
         self.pages_out = self.pages_in = self.bytes_out = self.bytes_in = 0
         self.hit_tokens = 0
         self.dropped = 0
@@ -90,7 +91,7 @@ class HostTier:
             return False
         hp = self.alloc.specs[s].cached.get(h)
         if hp is not None:  # written behind or loaded earlier: the same KV
-            if self.alloc.specs[s].ref[hp]:  # its write-behind copy is still under way
+            if (s, hp) in self._behind:  # its write-behind copy is still under way
                 self._raised[(s, hp)] = max(key, self._raised.get((s, hp), key))
             self.alloc.touch(s, [hp], key)
             return True
@@ -116,6 +117,7 @@ class HostTier:
             return
         self.alloc.insert(s, hp, h, plen)
         self.ahead.append((s, device_page, hp))
+        self._behind.add((s, hp))
         self.pages_out += 1
         self.bytes_out += self.layout.page_bytes[s]
 
@@ -127,6 +129,7 @@ class HostTier:
     def ahead_done(self, batch: list[tuple[int, int, int]]) -> None:
         """The copies of `batch` are made: their pages join the host tier."""
         for s, _, hp in batch:
+            self._behind.discard((s, hp))
             self.alloc.free(s, [hp], self._raised.pop((s, hp), DUPLICATE))
 
     def pin(self, s: int, h: Hashable) -> int:
