@@ -147,7 +147,8 @@ def test_a_cost_profile_decides_load_or_recompute(tmp_path, seconds_per_token, l
 def test_aborts_and_preemptions_leave_no_page_held_on_either_tier():
     """Requests aborted mid-prefill or mid-decode, and preempted ones, under a pool that
     evicts every few steps: afterwards no device page is used and, once the write-behind
-    copies are joined, no host page is pinned."""
+    copies are joined (the engine's last step before idling joins them), no host page
+    is pinned."""
     engine = tiny_engine(kv_memory=96 << 10, host_kv_memory=1 << 20,
                          max_num_batched_tokens=24)
     texts = [f"request {i}: " + "klmnopqrst" * (3 + i % 4) for i in range(12)]
@@ -160,8 +161,13 @@ def test_aborts_and_preemptions_leave_no_page_held_on_either_tier():
         steps += 1
         if steps % 3 == 0:  # abort whichever request is oldest now
             engine.abort_request(next(iter(engine.requests)))
-    engine.mempool.flush()
     st = engine.kv.stats()
     assert st.used == 0 and all(sp.n_used == 0 for sp in engine.kv.host.alloc.specs)
     assert st.host.pages_out > 0 and st.host.hit_tokens > 0
     assert engine.scheduler.num_preemptions > 0
+    engine.add_request("last", texts[0] + " once more", params)  # an abort ends the work
+    engine.step()
+    engine.step()
+    engine.abort_request("last")
+    assert not engine.has_unfinished() and not engine.kv.host.ahead
+    assert all(sp.n_used == 0 for sp in engine.kv.host.alloc.specs)

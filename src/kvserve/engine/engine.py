@@ -292,6 +292,7 @@ class LLMEngine:
         if req is not None and not req.finished:
             req.finish_reason = "abort"
             self._retire(req)
+            self._settle_when_idle()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -321,7 +322,14 @@ class LLMEngine:
             outputs.append(self._append_token(s.request, tok, now))
         if self.mempool is not None:
             self.mempool.write_behind()  # finished requests' pages, beside the next schedule
+        self._settle_when_idle()
         return outputs
+
+    def _settle_when_idle(self) -> None:
+        """With nothing left to run there is no next schedule for tier copies to overlap:
+        make them now, so an idle engine holds no host page pinned."""
+        if self.mempool is not None and not self.has_unfinished():
+            self.mempool.flush()
 
     def _append_token(self, req: Request, tok: int, now: float) -> RequestOutput:
         if req.first_token_time is None:
