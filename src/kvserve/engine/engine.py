@@ -292,7 +292,7 @@ class LLMEngine:
         if req is not None and not req.finished:
             req.finish_reason = "abort"
             self._retire(req)
-            self._settle_when_idle()
+            self._copy_behind()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -320,15 +320,17 @@ class LLMEngine:
         now = time.monotonic()
         for s, tok in zip(sampled, tokens):
             outputs.append(self._append_token(s.request, tok, now))
-        if self.mempool is not None:
-            self.mempool.write_behind()  # finished requests' pages, beside the next schedule
-        self._settle_when_idle()
+        self._copy_behind()
         return outputs
 
-    def _settle_when_idle(self) -> None:
-        """With nothing left to run there is no next schedule for tier copies to overlap:
-        make them now, so an idle engine holds no host page pinned."""
-        if self.mempool is not None and not self.has_unfinished():
+    def _copy_behind(self) -> None:
+        """Tier copies finished requests left: beside the next schedule while work
+        remains; at once when none does, so an idle engine holds no host page pinned."""
+        if self.mempool is None:
+            return
+        if self.has_unfinished():
+            self.mempool.write_behind()
+        else:
             self.mempool.flush()
 
     def _append_token(self, req: Request, tok: int, now: float) -> RequestOutput:

@@ -70,7 +70,7 @@ class HostTier:
         self.alloc = TwoLevelAllocator(layout, num_large, partitioned)
         self.log: list[tuple[bool, int, int, int]] = []  # (to_host, spec, src, dst)
         self.pinned: list[tuple[int, int, int | None]] = []  # (spec, page, key to free with)
-        self.ahead: list[tuple[int, int, int]] = []  # write-behind copies: (spec, device, host)
+        self.ahead: list[tuple[bool, int, int, int]] = []  # write-behind copies, as the log
         self._behind: set[tuple[int, int]] = set()  # host pages of write-behind copies
         self._raised: dict[tuple[int, int], int] = {}  # key of those evicted since
         self.pages_out = self.pages_in = self.bytes_out = self.bytes_in = 0
@@ -95,40 +95,45 @@ class HostTier:
                 self._raised[(s, hp)] = max(key, self._raised.get((s, hp), key))
             self.alloc.touch(s, [hp], key)
             return True
-        try:
-            [[hp]] = self.alloc.allocate(WRITER, [(s, 1)])
-        except OutOfPages:  # everything here is pinned by this step's copies
+        hp = self._take_page(s, h, plen)
+        if hp is None:  # everything here is pinned by this step's copies
             self.dropped += 1
             return False
-        self.alloc.insert(s, hp, h, plen)
         self.log.append((True, s, device_page, hp))
         self.pinned.append((s, hp, key))
-        self.pages_out += 1
-        self.bytes_out += self.layout.page_bytes[s]
         return True
 
     def write_ahead(self, s: int, device_page: int, h: Hashable, plen: int) -> None:
         """Queue a copy of a cached device page that may be evicted later (write-behind)."""
         if h in self.alloc.specs[s].cached:
             return
+        hp = self._take_page(s, h, plen)
+        if hp is None:  # all pinned: the eviction will copy it, if it comes
+            return
+        self.ahead.append((True, s, device_page, hp))
+        self._behind.add((s, hp))
+
+    def _take_page(self, s: int, h: Hashable, plen: int) -> int | None:
+        """A host page of spec s (evicting the oldest if need be) cached under h, held
+        until its copy is made, and counted as written; None if all are pinned."""
         try:
             [[hp]] = self.alloc.allocate(WRITER, [(s, 1)])
-        except OutOfPages:  # all pinned: the eviction will copy it, if it comes
-            return
+        except OutOfPages:
+            return None
         self.alloc.insert(s, hp, h, plen)
-        self.ahead.append((s, device_page, hp))
-        self._behind.add((s, hp))
         self.pages_out += 1
         self.bytes_out += self.layout.page_bytes[s]
+        return hp
 
-    def take_ahead(self) -> list[tuple[int, int, int]]:
-        """The queued write-behind copies, to make now (off the step's critical path)."""
+    def take_ahead(self) -> list[tuple[bool, int, int, int]]:
+        """The queued write-behind copies, in log form, to make now (`play`), off the
+        step's critical path; then `ahead_done`."""
         batch, self.ahead = self.ahead, []
         return batch
 
-    def ahead_done(self, batch: list[tuple[int, int, int]]) -> None:
+    def ahead_done(self, batch: list[tuple[bool, int, int, int]]) -> None:
         """The copies of `batch` are made: their pages join the host tier."""
-        for s, _, hp in batch:
+        for _, s, _, hp in batch:
             self._behind.discard((s, hp))
             self.alloc.free(s, [hp], self._raised.pop((s, hp), DUPLICATE))
 
@@ -158,7 +163,7 @@ class HostTier:
         ones as recently used.
         """
         ahead = self.take_ahead()
-        play(copy, [(True, s, d, h) for s, d, h in ahead])
+        play(copy, ahead)
         self.ahead_done(ahead)
         log, self.log = self.log, []
         try:

@@ -267,12 +267,12 @@ class KVCacheManager:
                 if pid is not None and not sp.ref[pid] and sp.last[pid] > DEAD:
                     ahead(m.s, pid, h, sp.plen[pid])
 
-    def take_ahead(self) -> list[tuple[int, int, int]]:
-        """Write-behind copies (spec, device page, host page) queued since the last call;
-        make them before the next flush, then call ahead_done."""
+    def take_ahead(self) -> list[tuple[bool, int, int, int]]:
+        """Write-behind copies queued since the last call, in the flush log's form; make
+        them (`host_tier.play`) before the next flush, then call ahead_done."""
         return self.host.take_ahead() if self.host is not None else []
 
-    def ahead_done(self, batch: list[tuple[int, int, int]]) -> None:
+    def ahead_done(self, batch: list[tuple[bool, int, int, int]]) -> None:
         if batch:
             self.host.ahead_done(batch)
 

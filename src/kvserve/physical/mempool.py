@@ -219,14 +219,14 @@ class MemPool:
 class _Copier(threading.Thread):
     """Makes a batch of write-behind copies; an error is raised again by the join."""
 
-    def __init__(self, batch: list[tuple[int, int, int]], copy: Copier) -> None:
+    def __init__(self, batch: list[tuple[bool, int, int, int]], copy: Copier) -> None:
         super().__init__(name="kvserve-write-behind", daemon=True)
         self.batch, self.copy = batch, copy
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            play(self.copy, [(True, s, d, h) for s, d, h in self.batch])
+            play(self.copy, self.batch)
         except BaseException as e:  # noqa: BLE001 (handed to the engine thread)
             self.error = e
 
