@@ -1,4 +1,4 @@
-"""kvserve command line: generate | serve | bench | sim | demo.
+"""kvserve command line: generate | serve | bench | sim | cluster | demo.
 
 Each sub-command lives in its own module, which provides
 `add_arguments(parser)` and `main(args)`; heavy imports happen in `main`.
@@ -15,6 +15,7 @@ COMMANDS = {
     "serve": ("kvserve.server.app", "OpenAI-compatible HTTP server"),
     "bench": ("kvserve.bench.cli", "benchmarks against a running server"),
     "sim": ("kvserve.sim.cli", "trace-driven simulator at GPU scale"),
+    "cluster": ("kvserve.cluster.cli", "instances on Ray behind one OpenAI server"),
     "demo": ("kvserve.entrypoints.demo", "memory-core demo: requests that fit per policy"),
 }
 

@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import openai
 import pytest
 import torch
-import uvicorn
-from server_harness import KV_MEMORY, MODEL, LiveServer
+from server_harness import KV_MEMORY, MODEL, LiveServer, serving
 
 from kvserve.engine.engine import EngineConfig, LLMEngine
 from kvserve.models import Gemma3Config, Gemma3ForCausalLM
@@ -29,24 +25,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 @contextlib.contextmanager
 def live_server(engine: LLMEngine, name: str = MODEL) -> Iterator[LiveServer]:
     """`engine` behind the real app, served by uvicorn on a free loopback port."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(build_app(engine, name), log_level="warning", lifespan="on")
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield LiveServer(f"http://127.0.0.1:{port}", engine)
-    finally:
-        uv.should_exit = True
-        thread.join(30)
-        sock.close()
+    with serving(build_app(engine, name)) as url:
+        yield LiveServer(url, engine)
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,15 @@ test directory uses.
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.engine.engine import LLMEngine
@@ -41,3 +46,25 @@ class LiveServer:
             if running == waiting == used == 0 or time.monotonic() > deadline:
                 return m
             time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """An ASGI app served by uvicorn in a thread on a free loopback port; yields its URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+        sock.close()

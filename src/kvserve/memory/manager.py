@@ -498,6 +498,26 @@ class KVCacheManager:
                         else (True, host[h]) for h in r.hashes[:q]])
         return q * self.T, out
 
+    def held_blocks(self, tokens: Sequence[int]) -> dict[str, set[int]]:
+        """Per spec, the full blocks of tokens cached in either tier (a sender skips them)."""
+        keys = self.block_keys(tokens)
+        out = {}
+        for m in self.managers:
+            dev = self.alloc.specs[m.s].cached
+            host = self.host.cached(m.s) if self.host is not None else {}
+            out[m.spec.name] = {b for b, h in enumerate(keys) if h in dev or h in host}
+        return out
+
+    def cached_keys(self) -> dict[str, set[Hashable]]:
+        """Per tier ("device", "host"), the block keys a prefix's every block is kept
+        under: a full-attention spec's (the first spec's when none), what routers index."""
+        m = (self._full or [m for m in self.managers if m.spec.kind is LayerKind.FULL]
+             or self.managers)[0]
+        out = {"device": set(self.alloc.specs[m.s].cached)}
+        if self.host is not None:
+            out["host"] = set(self.host.cached(m.s))
+        return out
+
     def delete(self, tokens: Sequence[int]) -> int:
         """Forget every cached block of tokens in both tiers; returns the pages forgotten.
         Pages in use stay with their requests, uncached."""

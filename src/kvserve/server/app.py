@@ -42,7 +42,13 @@ SNAPSHOT_TIMEOUT_S = 30.0  # a scrape waits at most this long for the step in pr
 def build_app(engine: LLMEngine, model_name: str = DEFAULT_MODEL_NAME) -> FastAPI:
     """The app around `engine`; its engine thread runs while the app's lifespan does."""
     metrics = ServerMetrics()
-    engine_loop = EngineLoop(engine, metrics)
+    return serve_app(EngineLoop(engine, metrics), metrics, model_name)
+
+
+def serve_app(engine_loop: EngineLoop, metrics: ServerMetrics,
+              model_name: str = DEFAULT_MODEL_NAME) -> FastAPI:
+    """The OpenAI app over anything with EngineLoop's interface: one engine's loop, or a
+    cluster's front end (cluster/frontend.py), which runs while the lifespan does."""
     serving = OpenAIServing(engine_loop, model_name)
 
     @asynccontextmanager

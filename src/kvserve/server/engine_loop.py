@@ -41,6 +41,7 @@ class Submission:
     prompt_token_ids: list[int]
     prompt: str | None
     params: SamplingParams
+    session: str | None = None  # the client's user / session id (a cluster routes by it)
 
 
 @dataclass
@@ -143,11 +144,14 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    async def add(self, subs: list[Submission], arrival: float) -> RequestGroup:
-        """Queue all of `subs` or none: the engine's InvalidRequest comes back raised."""
+    async def add(self, subs: list[Submission], arrival: float,
+                  before: Callable[[LLMEngine], object] | None = None) -> RequestGroup:
+        """Queue all of `subs` or none: the engine's InvalidRequest comes back raised.
+        `before` runs on the engine in the same command (no step between: a cluster
+        instance imports transferred KV so that the requests find it)."""
         group = RequestGroup(self, [s.request_id for s in subs])
         try:
-            await self._call(lambda: self._add(group, subs, arrival))
+            await self.call(lambda: self._add(group, subs, arrival, before))
         except asyncio.CancelledError:
             group.close()  # queued after the add, so it finds the requests if they got in
             raise
@@ -158,9 +162,10 @@ class EngineLoop:
         self._inbox.put(_Command(lambda: self._abort(request_ids)))
 
     async def snapshot(self) -> EngineSnapshot:
-        return await self._call(self._snapshot)
+        return await self.call(self._snapshot)
 
-    async def _call(self, fn: Callable[[], object]) -> object:
+    async def call(self, fn: Callable[[], object]) -> object:
+        """Run fn on the engine thread between two steps; its result or error comes back."""
         if not self.alive:
             raise EngineFailure("the engine is not running")
         done: Future = Future()
@@ -236,7 +241,10 @@ class EngineLoop:
             else:
                 log.exception("engine command failed")
 
-    def _add(self, group: RequestGroup, subs: list[Submission], arrival: float) -> None:
+    def _add(self, group: RequestGroup, subs: list[Submission], arrival: float,
+             before: Callable[[LLMEngine], object] | None = None) -> None:
+        if before is not None:
+            before(self.engine)
         added = []
         try:
             for s in subs:

@@ -136,9 +136,11 @@ def _host_families(s: EngineSnapshot) -> Iterator[Metric]:
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, engine: Collector | None = None) -> None:
+        """`engine`: the collector of what a scrape reads from the engine(s), handed the
+        snapshot by `render` (default: one engine's EngineCollector)."""
         self.registry = CollectorRegistry()
-        self.engine = EngineCollector()
+        self.engine = engine or EngineCollector()
         self.registry.register(self.engine)
         self.ttft = Histogram("kvserve_time_to_first_token_seconds",
                               "Arrival to first generated token", buckets=TTFT_BUCKETS,
@@ -155,7 +157,7 @@ class ServerMetrics:
     def request_finished(self, reason: str) -> None:
         self.finished.labels(finished_reason=reason).inc()
 
-    def render(self, snapshot: EngineSnapshot | None) -> bytes:
+    def render(self, snapshot: object | None) -> bytes:
         """The exposition text; engine families are left out when no snapshot could be had."""
         self.engine.snapshot = snapshot
         try:

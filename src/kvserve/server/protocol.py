@@ -49,6 +49,8 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (benchmarks)
     include_stop_str_in_output: bool = False  # extension
+    # OpenAI's end-user id; a cluster's session policy keeps one user's requests together
+    user: str | None = None
     # OpenAI features the engine does not implement: refused when used (see _unsupported).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

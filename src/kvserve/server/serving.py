@@ -71,7 +71,7 @@ class OpenAIServing:
         prompts = await self._on_tokenizer(lambda: [self._encode(x) for x in body.prompts()])
         rid = f"cmpl-{uuid.uuid4().hex}"
         params = [self._params(body, len(ids), body.max_tokens, "prompt") for _, ids in prompts]
-        group = await self._submit(rid, prompts, params, arrival)
+        group = await self._submit(rid, prompts, params, arrival, body.user)
         if body.stream:
             return _SSE(self._completion_chunks(group, rid, body.include_usage_in_stream), group)
         outs = await _collect(group, raw)
@@ -86,7 +86,7 @@ class OpenAIServing:
         ids = await self._on_tokenizer(lambda: self._chat_ids(messages))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         params = self._params(body, len(ids), body.requested_max_tokens, "messages")
-        group = await self._submit(rid, [(None, ids)], [params], arrival)
+        group = await self._submit(rid, [(None, ids)], [params], arrival, body.user)
         if body.stream:
             return _SSE(self._chat_chunks(group, rid, body.include_usage_in_stream), group)
         outs = await _collect(group, raw)
@@ -146,8 +146,8 @@ class OpenAIServing:
         return params
 
     async def _submit(self, rid: str, prompts: list[Prompt], params: list[SamplingParams],
-                      arrival: float) -> RequestGroup:
-        subs = [Submission(f"{rid}-{i}", ids, text, sp)
+                      arrival: float, session: str | None = None) -> RequestGroup:
+        subs = [Submission(f"{rid}-{i}", ids, text, sp, session)
                 for i, ((text, ids), sp) in enumerate(zip(prompts, params))]
         try:
             return await self.engine_loop.add(subs, arrival)

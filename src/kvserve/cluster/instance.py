@@ -1,0 +1,189 @@
+"""One engine instance of a cluster: an LLMEngine on its engine thread, as a Ray actor.
+
+The front end calls it through Ray (no other RPC): `generate` streams a request's
+outputs (a Ray streaming generator; cancelling it aborts the request), `prefill`
+and `decode` are the two halves of a disaggregated request, `export_kv` /
+`import_kv` move cached KV (transfer_with_insert), `poll` is the heartbeat: load
+and KV events. Everything that touches the engine runs on its engine thread
+(EngineLoop.call), between steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable, Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.cluster.transfer import KVPayload, ObjectStoreTransport, export_kv, import_kv
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.request import RequestOutput
+from kvserve.server.engine_loop import EngineLoop, EngineSnapshot, Submission
+
+PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
+ROLES = (PREFILL, DECODE, COLOCATED)
+
+
+@dataclass
+class InstanceInfo:
+    name: str
+    role: str
+    block: int  # tokens per page: the block size of the prefix-cache keys
+    max_model_len: int
+    vocab_size: int
+    model: str
+    kv_bytes_per_token: float  # every spec's page bytes over its tokens: what a prefix moves
+    max_prompt: int  # the longest prompt the pool can hold alone
+
+
+@dataclass
+class Heartbeat:
+    """An instance's load and KV events since its last heartbeat (vLLM's KV events in
+    content: blocks stored / removed per medium; here per tier)."""
+
+    name: str
+    running: int
+    waiting: int
+    stored: dict[str, list[Hashable]] = field(default_factory=dict)  # tier -> block keys
+    removed: dict[str, list[Hashable]] = field(default_factory=dict)
+    gone: list[Hashable] = field(default_factory=list)  # left every tier
+    sent_bytes: int = 0  # KV bytes exported / imported so far
+    received_bytes: int = 0
+
+
+class Instance:
+    def __init__(self, name: str, role: str, build: Callable[[], LLMEngine],
+                 threads: int | None = None) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; choose from {ROLES}")
+        if threads:
+            torch.set_num_threads(threads)  # N instances on one machine share its cores
+        self.name, self.role = name, role
+        self.engine = build()
+        if self.engine.mempool is None:
+            raise ValueError("cluster instances need the paged KV backend (a MemPool)")
+        self.loop = EngineLoop(self.engine)
+        self.loop.start()
+        self.transport = ObjectStoreTransport()
+        self._known: dict[str, set[Hashable]] = {}  # cached keys the last heartbeat told
+        self.sent_bytes = self.received_bytes = 0
+
+    def info(self) -> InstanceInfo:
+        e = self.engine
+        per_token = sum(e.kv.layout.page_bytes) / e.kv.T
+        return InstanceInfo(self.name, self.role, e.kv.T, e.max_model_len,
+                            e.config.vocab_size, str(e.cfg.model or "gemma-3-270m"), per_token,
+                            self._max_prompt())
+
+    def _max_prompt(self) -> int:
+        """Bisect the longest prompt add_request accepts (KV pool and context length)."""
+        e, lo, hi = self.engine, 0, self.engine.max_model_len - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if e.kv.fits_alone(mid + 1, e.cfg.max_num_batched_tokens):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def tokenizer(self) -> object:
+        return self.engine.tokenizer
+
+    # -------------------------------------------------------------- requests
+
+    async def generate(self, sub: Submission,
+                       before: Callable[[LLMEngine], object] | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        group = await self.loop.add([sub], time.monotonic(), before)
+        async for _, out in group.outputs():
+            yield out
+
+    async def prefill(self, sub: Submission, have: dict[str, set[int]] | None,
+                      keep: bool) -> tuple[RequestOutput, object | None]:
+        """Run the prompt and sample the first token; returns that output and, when the
+        request goes on, a handle on its prompt's KV (less the blocks in `have`)."""
+        first = dataclasses.replace(sub, params=dataclasses.replace(sub.params, max_tokens=1))
+        out = None
+        async for o in self.generate(first):
+            out = o
+        prompt = sub.prompt_token_ids
+        handle = None
+        if not finished_early(out, sub):
+            payload = await self.loop.call(lambda: self._export(prompt, have))
+            handle = self.transport.send(payload)
+        if not keep:
+            await self.loop.call(lambda: self.engine.kv.delete(prompt))
+        return out, handle
+
+    async def decode(self, sub: Submission, handle: object | None,
+                     keep: bool) -> AsyncIterator[RequestOutput]:
+        """Continue a request a prefill instance started: import its KV, then generate."""
+        payload = None if handle is None else self.transport.receive(handle)
+        before = None if payload is None else (lambda e: self._import(payload))
+        out = None
+        try:
+            async for out in self.generate(sub, before):
+                yield out
+        finally:
+            if not keep:
+                tokens = sub.prompt_token_ids + (out.outputs[0].token_ids if out else [])
+                await self.loop.call(lambda: self.engine.kv.delete(tokens))
+
+    # -------------------------------------------------------------------- KV
+
+    async def held(self, tokens: list[int]) -> dict[str, set[int]]:
+        """Per spec, the full blocks of tokens this instance caches (a sender skips them)."""
+        return await self.loop.call(lambda: self.engine.kv.held_blocks(tokens))
+
+    async def export_kv(self, tokens: list[int], have: dict[str, set[int]] | None = None,
+                        ) -> object:
+        return self.transport.send(await self.loop.call(lambda: self._export(tokens, have)))
+
+    async def import_kv(self, handle: object) -> int:
+        payload = self.transport.receive(handle)
+        return await self.loop.call(lambda: self._import(payload))
+
+    def _export(self, tokens: list[int], have: dict[str, set[int]] | None) -> KVPayload:
+        payload = export_kv(self.engine.mempool, tokens, have)
+        self.sent_bytes += payload.nbytes
+        return payload
+
+    def _import(self, payload: KVPayload) -> int:
+        n = import_kv(self.engine.mempool, payload)
+        if n:
+            self.received_bytes += payload.nbytes
+        return n
+
+    # ------------------------------------------------------------ heartbeat
+
+    async def poll(self) -> Heartbeat:
+        return await self.loop.call(self._heartbeat)
+
+    def _heartbeat(self) -> Heartbeat:
+        e = self.engine
+        hb = Heartbeat(self.name, len(e.scheduler.running), len(e.scheduler.waiting),
+                       sent_bytes=self.sent_bytes, received_bytes=self.received_bytes)
+        now = e.kv.cached_keys()
+        for tier, keys in now.items():
+            known = self._known.get(tier, set())
+            hb.stored[tier] = list(keys - known)
+            hb.removed[tier] = list(known - keys)
+        held = set().union(*now.values())
+        hb.gone = [h for keys in hb.removed.values() for h in keys if h not in held]
+        self._known = now
+        return hb
+
+    async def snapshot(self) -> EngineSnapshot:
+        return await self.loop.snapshot()
+
+    def ping(self) -> str:
+        return self.name
+
+
+def finished_early(out: RequestOutput | None, sub: Submission) -> bool:
+    """Whether the prefill's one token ended the request (a stop, or all it asked for)."""
+    if out is None or out.outputs[0].finish_reason != "length":
+        return True
+    return sub.params.max_tokens <= 1
