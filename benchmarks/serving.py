@@ -20,9 +20,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(options: list[str], port: int, log: Path) -> subprocess.Popen:
-    """`kvserve serve --port port *options`, once /health answers (at most 300 s)."""
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port),
+def start_server(options: list[str], port: int, log: Path,
+                 command: tuple[str, ...] = ("serve",)) -> subprocess.Popen:
+    """`kvserve <command> --port port *options`, once /health answers (at most 300 s)."""
+    cmd = [sys.executable, "-m", "kvserve.cli", *command, "--port", str(port),
            "--log-level", "warning", *options]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300

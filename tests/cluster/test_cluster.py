@@ -231,3 +231,20 @@ def test_designs_are_named_and_roles_checked(ray_runtime):
     with pytest.raises(ValueError, match="needs instances of roles"):
         c.launch([InstanceSpec("x", "colocated", tiny_engine)])
     assert dataclasses.asdict(DESIGNS["pd-caching-3"])["return_to_prefill"]
+
+
+def test_an_idle_instance_that_dies_is_found_by_the_heartbeat(ray_runtime, colo):
+    import ray
+
+    from kvserve.cluster.prompt_tree import block_hashes
+
+    m = asyncio.run(colo.add_instance(InstanceSpec("c8", "colocated", tiny_engine, 1)))
+    prompt = prompt_of(80)
+    colo.scheduler.learn(m, prompt, time.monotonic())
+    hashes = block_hashes(prompt, 4)
+    assert "c8" in colo.scheduler.trees["colocated"].match(hashes, time.monotonic())
+    ray.kill(m.handle)
+    asyncio.run(colo.beat())
+    assert "c8" in colo.lost and "c8" not in colo.scheduler.members
+    assert "c8" not in colo.scheduler.trees["colocated"].match(hashes, time.monotonic())
+    assert finish(colo, prompt, 3, "still").finished  # the others serve on

@@ -120,11 +120,14 @@ async def server_counters(client: httpx.AsyncClient, base_url: str) -> dict[str,
 # ----------------------------------------------------------------------- requests
 
 
-def payload(cfg: RunConfig, history: list[dict[str, str]], turn: Turn) -> dict[str, Any]:
+def payload(cfg: RunConfig, history: list[dict[str, str]], turn: Turn,
+            session: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": cfg.model, "temperature": cfg.temperature, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True},
     }
+    if session is not None:
+        body["user"] = session  # OpenAI's end-user id: a cluster's session policy uses it
     if cfg.endpoint == "chat":
         body["messages"] = [*history, {"role": "user", "content": turn.prompt}]
         body["max_completion_tokens"] = turn.output_tokens
@@ -228,7 +231,7 @@ async def run_sessions(cfg: RunConfig, sessions: list[Session],
         for k, turn in enumerate(s.turns):
             await asyncio.sleep(thinks[k])  # outside the concurrency slot: no request is open
             r = RequestResult(i, k, start=time.perf_counter() - t0, think=thinks[k])
-            body = payload(cfg, history, turn)
+            body = payload(cfg, history, turn, s.id)
             if slots is None:
                 await send(client, url, body, r)
             else:
