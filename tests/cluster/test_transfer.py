@@ -67,3 +67,45 @@ def test_a_receiver_without_room_imports_nothing_and_leaks_nothing():
     want = run(a, PROMPT, "again").outputs[0].token_ids
     assert run(small, PROMPT).outputs[0].token_ids == want  # recomputed instead
     assert small.kv.stats().used == 0
+
+
+def test_a_mamba_hybrid_moves_every_attention_block_and_one_state():
+    """Memory core + byte pools only: a Jamba-like model's prefix travels as all of its
+    full-attention pages and the single Mamba checkpoint the hit point needs."""
+    import torch
+
+    from kvserve.memory import KVCacheManager, KVSpec, LayerKind
+    from kvserve.physical.mempool import MemPool
+    from kvserve.physical.pool import KVPool
+
+    specs = [KVSpec("attn", LayerKind.FULL, 2, 64),
+             KVSpec("mamba", LayerKind.MAMBA, 6, 512, checkpoint_every=16)]
+
+    def instance():
+        kv = KVCacheManager(specs, 1 << 20, tokens_per_page=4)
+        return MemPool(kv, KVPool(kv.layout, kv.alloc.num_large, {}))
+
+    a, b = instance(), instance()
+    tokens = list(range(3, 40))  # 37 tokens: a hit covers 9 blocks = 36 tokens
+    a.kv.add_request("r", tokens)
+    a.kv.lookup("r")
+    a.kv.begin_step()
+    assert a.kv.allocate_slots("r", len(tokens))
+    a.kv.advance("r", len(tokens))
+    a.kv.finish("r")
+    for s in range(2):
+        rows = a.device.pages(s)
+        rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8))
+    n, where = a.match(tokens)
+    payload = export_kv(a, tokens)
+    assert n == 32 and len(payload.tokens) == 32  # the last checkpoint before 36 is at 32
+    assert payload.blocks == {"attn": list(range(8)), "mamba": [7]}
+    assert import_kv(b, payload) == 9
+    n_b, where_b = b.match(tokens)
+    assert n_b == 32
+    for name in ("attn", "mamba"):
+        s = b.kv.layout.index(name)
+        for pa, pb in zip(where[name], where_b[name]):
+            assert (pa is None) == (pb is None)
+            if pa is not None:
+                assert torch.equal(a.device.pages(s)[pa.page], b.device.pages(s)[pb.page])
