@@ -15,6 +15,7 @@ import pytest
 from cluster_helpers import tiny_engine
 from server_harness import serving
 
+from kvserve.cluster.cli import add_admin_routes
 from kvserve.cluster.disagg import DESIGNS, design
 from kvserve.cluster.frontend import Cluster, InstanceSpec
 from kvserve.cluster.global_scheduler import GlobalScheduler
@@ -188,7 +189,9 @@ def test_the_openai_client_streams_from_the_cluster_and_metrics_label_instances(
     pd.design = design("pd-caching-3")
     metrics = ServerMetrics(ClusterCollector(pd))
     pd.metrics = metrics
-    with serving(serve_app(pd, metrics, "tiny")) as url:
+    app = serve_app(pd, metrics, "tiny")
+    add_admin_routes(app, pd, tiny_engine, 1)
+    with serving(app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         text = "the quick brown fox jumps over the lazy dog"
         stream = client.completions.create(model="tiny", prompt=text, max_tokens=10,
@@ -204,6 +207,10 @@ def test_the_openai_client_streams_from_the_cluster_and_metrics_label_instances(
         assert 'kvserve_kv_transfer_bytes_total{direction="received",instance="d1"}' in body
         assert "kvserve_time_to_first_token_seconds_count" in body
         assert httpx.get(f"{url}/health").status_code == 200
+        listed = httpx.get(f"{url}/cluster/instances").json()["data"]
+        assert {(i["name"], i["role"]) for i in listed} == {("p0", "prefill"), ("d1", "decode")}
+        refused = httpx.post(f"{url}/cluster/instances", json={"role": "bogus"})
+        assert refused.status_code == 400 and "unknown role" in refused.text
     pd.metrics = None
 
 
