@@ -20,6 +20,7 @@ from kvserve.cluster.disagg import DESIGNS, design
 from kvserve.cluster.frontend import Cluster, InstanceSpec
 from kvserve.cluster.global_scheduler import GlobalScheduler
 from kvserve.cluster.metrics import ClusterCollector
+from kvserve.cluster.prompt_tree import block_hashes
 from kvserve.engine.request import InvalidRequest, SamplingParams
 from kvserve.server.app import serve_app
 from kvserve.server.engine_loop import Submission
@@ -136,8 +137,6 @@ def test_kv_events_make_the_prefill_tree_exact(pd):
     prompt = prompt_of(53)
     finish(pd, prompt, 2, "w1")
     asyncio.run(pd.beat())
-    from kvserve.cluster.prompt_tree import block_hashes
-
     hashes = block_hashes(prompt, 4)
     assert pd.scheduler.trees["prefill"].match(hashes, time.monotonic()) == {"p0": len(hashes)}
 
@@ -150,6 +149,29 @@ def test_bad_input_is_refused_before_any_instance_is_touched(pd):
     with pytest.raises(InvalidRequest, match="max_tokens"):
         asyncio.run(pd.add([Submission("x", [3, 4], None, SamplingParams(max_tokens=0))],
                            0.0))
+
+
+def test_a_busy_holder_lends_its_prefix_to_the_instance_chosen(colo):
+    """Prompt-tree routing with Eq. 2: the holder of the prefix is past the load guard,
+    so another instance serves, after pulling the prefix (a hit, the same tokens)."""
+    colo.design = design("colocated")
+    prompt = prompt_of(90, n=120)
+    finish(colo, prompt[:100], 2, "seed")
+    asyncio.run(colo.beat())
+    holder = colo.scheduler.trees["colocated"].match(
+        block_hashes(prompt, 4), time.monotonic())
+    assert len(holder) == 1
+    busy = colo.scheduler.members[next(iter(holder))]
+    busy.pending.update({f"b{i}": (1, 1.0) for i in range(9)})
+    try:
+        out = finish(colo, prompt, 6, "pulled")
+    finally:
+        busy.pending.clear()
+    assert out.num_cached_tokens == 100
+    assert out.outputs[0].token_ids == reference(prompt, 6)
+    asyncio.run(colo.beat())
+    other = [m for m in colo.scheduler.members.values() if m is not busy][0]
+    assert other.received_bytes > 0 and busy.sent_bytes >= other.received_bytes
 
 
 def test_killing_an_instance_mid_stream_loses_no_request(ray_runtime, colo):
@@ -242,8 +264,6 @@ def test_designs_are_named_and_roles_checked(ray_runtime):
 
 def test_an_idle_instance_that_dies_is_found_by_the_heartbeat(ray_runtime, colo):
     import ray
-
-    from kvserve.cluster.prompt_tree import block_hashes
 
     m = asyncio.run(colo.add_instance(InstanceSpec("c8", "colocated", tiny_engine, 1)))
     prompt = prompt_of(80)
