@@ -275,3 +275,24 @@ def test_an_idle_instance_that_dies_is_found_by_the_heartbeat(ray_runtime, colo)
     assert "c8" in colo.lost and "c8" not in colo.scheduler.members
     assert "c8" not in colo.scheduler.trees["colocated"].match(hashes, time.monotonic())
     assert finish(colo, prompt, 3, "still").finished  # the others serve on
+
+
+def test_a_decode_instance_dying_mid_stream_hands_over_to_another(ray_runtime, pd):
+    import ray
+
+    pd.design = design("pd-caching-3")
+    asyncio.run(pd.add_instance(InstanceSpec("d2", "decode", tiny_engine, 1)))
+    prompt = prompt_of(95)
+    killed = []
+
+    async def kill_decode(out):
+        if len(out.outputs[0].token_ids) == 6 and not killed:
+            decoding = [m for m in pd.scheduler.of_role("decode") if m.pending]
+            killed.append(decoding[0].name)
+            ray.kill(decoding[0].handle)
+
+    outs = asyncio.run(collect(pd, prompt, 30, "pk", kill_decode))
+    assert killed and killed[0] in pd.lost and len(pd.scheduler.of_role("decode")) == 1
+    assert outs[-1].outputs[0].token_ids == reference(prompt, 30)
+    assert sum(len(o.new_token_ids) for o in outs) == 30
+    assert all(s.used == 0 for s in stats(pd).values())

@@ -30,6 +30,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import ray
+import ray.exceptions as rex
+
 from kvserve.cluster.disagg import Design, design
 from kvserve.cluster.global_scheduler import GlobalScheduler, Member
 from kvserve.cluster.instance import COLOCATED, DECODE, PREFILL, Instance, finished_early
@@ -39,6 +42,8 @@ from kvserve.engine.request import CompletionOutput, InvalidRequest, RequestOutp
 from kvserve.server.engine_loop import EngineFailure, RequestGroup, Submission
 
 log = logging.getLogger("kvserve.cluster")
+# what a call raises when its instance is gone (killed, crashed, its node lost)
+LOST = (rex.RayActorError, rex.ActorUnavailableError, rex.OwnerDiedError, rex.ObjectLostError)
 
 
 @dataclass
@@ -93,8 +98,6 @@ class Cluster:
         if roles != needed:
             raise ValueError(f"design {self.design.name} needs instances of roles "
                              f"{sorted(needed)}, got {sorted(roles)}")
-        import ray
-
         actors = [self._actor(s) for s in specs]
         infos = ray.get([a.info.remote() for a in actors])
         members = [Member(info, a) for info, a in zip(infos, actors)]
@@ -115,8 +118,6 @@ class Cluster:
 
     @staticmethod
     def _actor(spec: InstanceSpec) -> Any:
-        import ray
-
         # num_cpus=0: instances share the machine's cores by their torch threads, and
         # Ray's CPU accounting must not refuse a second actor on a 2-core machine.
         return ray.remote(Instance).options(num_cpus=0).remote(
@@ -145,8 +146,6 @@ class Cluster:
 
     def shutdown(self) -> None:
         """Kill every instance actor (the cluster owns them)."""
-        import ray
-
         self.stop()
         for m in list(self.scheduler.members.values()):
             ray.kill(m.handle)
@@ -262,10 +261,13 @@ class Cluster:
         d, _ = await self._route(DECODE, sub, pull=False)
         have = await _call(d, d.handle.held.remote(prompt)) if d_.keep_at_decode else None
         self.scheduler.started(p, sub.request_id, len(prompt), cached)
+        out_ref, kv_ref = p.handle.prefill.options(num_returns=2).remote(
+            sub, have, d_.keep_at_prefill)
         try:
-            out_ref, kv_ref = p.handle.prefill.options(num_returns=2).remote(
-                sub, have, d_.keep_at_prefill)
             first = await _call(p, out_ref)
+        except asyncio.CancelledError:  # the client left: stop the prefill there too
+            _cancel(out_ref)
+            raise
         finally:
             self.scheduler.done(p, sub.request_id)
         if d_.keep_at_prefill:
@@ -444,20 +446,12 @@ async def _awaitable(ref: Any) -> Any:
     return await ref
 
 
-def _lost_errors() -> tuple[type[BaseException], ...]:
-    import ray.exceptions as rex
-
-    return (rex.RayActorError, rex.ActorUnavailableError, rex.OwnerDiedError,
-            rex.ObjectLostError)
-
 
 async def _call(m: Member, ref: Any) -> Any:
     """Await an instance's call; its death becomes InstanceLost, its refusal the error."""
-    import ray.exceptions as rex
-
     try:
         return await ref
-    except _lost_errors() as e:
+    except LOST as e:
         raise InstanceLost(m) from e
     except rex.RayTaskError as e:
         cause = e.as_instanceof_cause()
@@ -469,16 +463,23 @@ async def _call(m: Member, ref: Any) -> Any:
 async def _stream(m: Member, method: Any, *args: Any) -> AsyncIterator[RequestOutput]:
     """An instance's streaming generator, cancelled (aborting the request there) however
     the consumer stops."""
-    import ray
-
     gen = method.options(num_returns="streaming").remote(*args)
     done = False
     try:
         async for ref in gen:
             yield await _call(m, ref)
         done = True
-    except _lost_errors() as e:
+    except LOST as e:
         raise InstanceLost(m) from e
     finally:
         if not done:
-            ray.cancel(gen)
+            _cancel(gen)
+
+
+def _cancel(ref: Any) -> None:
+    """Cancel an instance's call (a request, or a streaming generator); the instance
+    aborts it and frees its pages. A call already finished or lost is left alone."""
+    try:
+        ray.cancel(ref)
+    except Exception:  # noqa: BLE001 (the actor may be gone; nothing left to stop)
+        log.debug("cancel failed", exc_info=True)
