@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from serving import bench_multi_turn, free_port, start_server, stop_server
+from serving import add_multi_turn_arguments, bench_multi_turn, served
 
 from kvserve.bench.report import distribution
 from kvserve.cpu_features import summary
@@ -49,19 +48,13 @@ def by_instance(base: str) -> dict[tuple[str, str], dict[str, float]]:
 
 
 def one_run(config: str, args: argparse.Namespace) -> dict:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     args.out.mkdir(parents=True, exist_ok=True)
     report_path = args.out / f"{config}.bench.json"
     options = [*CONFIGS[config], "--kv-memory", args.kv_memory, "--threads-per-instance", "1",
                "--policy", args.policy]
-    server = start_server(options, port, args.out / f"{config}.server.log",
-                          command=("cluster", "serve"))
-    try:
+    with served(options, args.out / f"{config}.server.log", ("cluster", "serve")) as base:
         bench_multi_turn(base, report_path, args)
         counters = by_instance(base)
-    finally:
-        stop_server(server)
     report = json.loads(report_path.read_text())
     ok = [r for r in report["requests"] if r["ok"]]
     first = [(k, v) for k, v in counters.items() if k[1] in ("colocated", "prefill")]
@@ -86,13 +79,8 @@ def main() -> None:
                     default=["colocated", "pd-basic", "pd-caching-3"])
     ap.add_argument("--policy", default="prompt-tree")
     ap.add_argument("--kv-memory", default="64M")
-    ap.add_argument("--sessions", type=int, default=16)
-    ap.add_argument("--rate", type=float, default=0.5, help="sessions per second (Poisson)")
-    ap.add_argument("--think-time", type=float, default=5.0, help="mean seconds (exponential)")
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("/tmp/cluster_serving"))
+    add_multi_turn_arguments(ap, sessions=16, rate=0.5, think_time=5.0, max_tokens=48,
+                             max_prompt_tokens=1024, out="/tmp/cluster_serving")
     args = ap.parse_args()
     print(f"CPU: {summary()}; load average {os.getloadavg()[0]:.2f}")
     rows = [one_run(c, args) for c in args.configs]

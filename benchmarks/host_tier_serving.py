@@ -19,9 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 
-from serving import bench_multi_turn, free_port, metrics, start_server, stop_server
+from serving import add_multi_turn_arguments, bench_multi_turn, metrics, served
 
 from kvserve.bench.report import distribution
 from kvserve.cpu_features import summary
@@ -30,19 +29,14 @@ MiB = 1 << 20
 
 
 def one_run(host: str, args: argparse.Namespace) -> dict:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     args.out.mkdir(parents=True, exist_ok=True)
     report_path = args.out / f"host_{host}.bench.json"
     options = ["--kv-memory", args.kv_memory]
     if host != "0":
         options += ["--host-kv-memory", host]
-    server = start_server(options, port, args.out / f"host_{host}.server.log")
-    try:
+    with served(options, args.out / f"host_{host}.server.log") as base:
         bench_multi_turn(base, report_path, args)
         counters = metrics(base)
-    finally:
-        stop_server(server)
     report = json.loads(report_path.read_text())
     later = [r["ttft_s"] for r in report["requests"] if r["ok"] and r["turn"] > 0]
     hits = counters.get("kvserve_prefix_cache_hit_tokens", 0)
@@ -68,13 +62,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", nargs="+", default=["0", "512M"])
     ap.add_argument("--kv-memory", default="64M")
-    ap.add_argument("--sessions", type=int, default=16)
-    ap.add_argument("--rate", type=float, default=0.5, help="sessions per second (Poisson)")
-    ap.add_argument("--think-time", type=float, default=5.0, help="mean seconds (exponential)")
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("/tmp/host_tier_serving"))
+    add_multi_turn_arguments(ap, sessions=16, rate=0.5, think_time=5.0, max_tokens=48,
+                             max_prompt_tokens=1024, out="/tmp/host_tier_serving")
     args = ap.parse_args()
     print(f"CPU: {summary()}; load average {os.getloadavg()[0]:.2f}")
     rows = [one_run(host, args) for host in args.host]

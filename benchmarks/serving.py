@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -47,6 +49,32 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@contextlib.contextmanager
+def served(options: list[str], log: Path,
+           command: tuple[str, ...] = ("serve",)) -> Iterator[str]:
+    """A `kvserve <command>` on a free port for the block's duration; yields its URL."""
+    port = free_port()
+    proc = start_server(options, port, log, command)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_server(proc)
+
+
+def add_multi_turn_arguments(ap: argparse.ArgumentParser, *, sessions: int, rate: float,
+                             think_time: float, max_tokens: int, max_prompt_tokens: int,
+                             out: str) -> None:
+    """The workload options `bench_multi_turn` reads, with a benchmark's defaults."""
+    ap.add_argument("--sessions", type=int, default=sessions)
+    ap.add_argument("--rate", type=float, default=rate, help="sessions per second (Poisson)")
+    ap.add_argument("--think-time", type=float, default=think_time,
+                    help="mean seconds (exponential)")
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
+    ap.add_argument("--max-prompt-tokens", type=int, default=max_prompt_tokens)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path(out))
 
 
 def bench_multi_turn(base: str, report: Path, args: argparse.Namespace) -> None:

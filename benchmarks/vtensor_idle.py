@@ -27,11 +27,10 @@ import math
 import os
 import threading
 import time
-from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from serving import bench_multi_turn, free_port, start_server, stop_server
+from serving import add_multi_turn_arguments, bench_multi_turn, served
 
 from kvserve.bench.report import distribution
 from kvserve.cpu_features import summary
@@ -81,31 +80,28 @@ def integral_mib_s(samples: list[dict[str, float]], t0: float, t1: float) -> flo
 
 
 def one_run(idle: str, args: argparse.Namespace) -> dict:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     args.out.mkdir(parents=True, exist_ok=True)
     report_path = args.out / f"idle_{idle}.bench.json"
     options = ["--kv-backend", "vtensor", "--kv-idle-release-s", idle,
                "--kv-memory", args.kv_memory]
-    server = start_server(options, port, args.out / f"idle_{idle}.server.log")
-    sampler = Sampler(base)
-    try:
-        sampler.start()
-        t0 = time.monotonic()
-        bench_multi_turn(base, report_path, args)
-        t1 = time.monotonic()
-        held_at_end = sampler.latest()
-        tail = 10.0 if idle == "inf" else min(args.max_tail, float(idle) * 1.25 + 5)
-        deadline = t1 + tail
-        while time.monotonic() < deadline and not (idle != "inf" and sampler.latest() == 0):
-            time.sleep(0.1)
-        back_to_zero = 0.0 if held_at_end == 0 else next(
-            (s["t"] - t1 for s in sampler.samples
-             if s["t"] >= t1 and s["kvserve_vtensor_physical_bytes"] == 0), None)
-    finally:
-        sampler.halt.set()
-        sampler.join()
-        stop_server(server)
+    with served(options, args.out / f"idle_{idle}.server.log") as base:
+        sampler = Sampler(base)
+        try:
+            sampler.start()
+            t0 = time.monotonic()
+            bench_multi_turn(base, report_path, args)
+            t1 = time.monotonic()
+            held_at_end = sampler.latest()
+            tail = 10.0 if idle == "inf" else min(args.max_tail, float(idle) * 1.25 + 5)
+            deadline = t1 + tail
+            while time.monotonic() < deadline and not (idle != "inf" and sampler.latest() == 0):
+                time.sleep(0.1)
+            back_to_zero = 0.0 if held_at_end == 0 else next(
+                (s["t"] - t1 for s in sampler.samples
+                 if s["t"] >= t1 and s["kvserve_vtensor_physical_bytes"] == 0), None)
+        finally:
+            sampler.halt.set()
+            sampler.join()
     report = json.loads(report_path.read_text())
     later = [r["ttft_s"] for r in report["requests"] if r["ok"] and r["turn"] > 0]
     samples = sampler.samples
@@ -138,16 +134,11 @@ def fmt(v: object, spec: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--idle", nargs="+", default=["0", "5", "60", "inf"])
-    ap.add_argument("--sessions", type=int, default=10)
-    ap.add_argument("--rate", type=float, default=0.5, help="sessions per second (Poisson)")
-    ap.add_argument("--think-time", type=float, default=10.0, help="mean seconds (exponential)")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--max-prompt-tokens", type=int, default=768)
+    add_multi_turn_arguments(ap, sessions=10, rate=0.5, think_time=10.0, max_tokens=32,
+                             max_prompt_tokens=768, out="/tmp/vtensor_idle")
     ap.add_argument("--kv-memory", default="512M")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tail", type=float, default=80.0,
                     help="seconds to wait after a run for the memory to go back")
-    ap.add_argument("--out", type=Path, default=Path("/tmp/vtensor_idle"))
     args = ap.parse_args()
     print(f"CPU: {summary()}; load average {os.getloadavg()[0]:.2f}")
     rows = [one_run(idle, args) for idle in args.idle]
