@@ -44,11 +44,17 @@ def test_blocks_the_receiver_holds_are_not_sent(pair):
     a, b = pair
     run(a, PROMPT)
     run(b, PROMPT[:25])  # b caches 6 blocks of the same prefix
-    have = b.kv.held_blocks(PROMPT)
+    have, pins = b.kv.hold(PROMPT)
     assert have["full"] == set(range(6))
+    b.kv.alloc.evict(1 << 20)  # evict everything evictable: the pinned pages stay
+    again, more = b.kv.hold(PROMPT)
+    assert again == have
+    b.kv.release(more)
     payload = export_kv(a.mempool, PROMPT, have)
     assert payload.blocks["full"] == list(range(6, 11))
     import_kv(b.mempool, payload)
+    b.kv.release(pins)
+    assert b.kv.stats().used == 0
     assert run(b, PROMPT, "again").num_cached_tokens == 44
 
 

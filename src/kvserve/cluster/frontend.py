@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -259,7 +260,9 @@ class Cluster:
         prompt = sub.prompt_token_ids
         p, cached = await self._route(PREFILL, sub)
         d, _ = await self._route(DECODE, sub, pull=False)
-        have = await _call(d, d.handle.held.remote(prompt)) if d_.keep_at_decode else None
+        have = None
+        if d_.keep_at_decode:  # pinned at d until its lookup took them (lease: the request)
+            have = await _call(d, d.handle.held.remote(prompt, sub.request_id))
         self.scheduler.started(p, sub.request_id, len(prompt), cached)
         out_ref, kv_ref = p.handle.prefill.options(num_returns=2).remote(
             sub, have, d_.keep_at_prefill)
@@ -316,9 +319,10 @@ class Cluster:
     async def _move(self, src: Member, dst: Member, tokens: list[int]) -> int:
         """transfer_with_insert between two instances: src's cached KV of tokens, less
         what dst holds, into dst's cache. Returns the pages dst inserted."""
-        have = await _call(dst, dst.handle.held.remote(tokens))
+        lease = f"move-{uuid.uuid4().hex}"
+        have = await _call(dst, dst.handle.held.remote(tokens, lease))
         ref = src.handle.export_kv.remote(tokens, have)
-        n = await _call(dst, dst.handle.import_kv.remote(ref))
+        n = await _call(dst, dst.handle.import_kv.remote(ref, lease))
         self.scheduler.learn(dst, tokens, time.monotonic())
         return n
 

@@ -11,6 +11,7 @@ and KV events. Everything that touches the engine runs on its engine thread
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from kvserve.engine.request import RequestOutput
 from kvserve.server.engine_loop import EngineLoop, EngineSnapshot, Submission
 
 PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
+LEASE_S = 60.0  # pages held for a transfer whose sender went silent are unpinned after this
 ROLES = (PREFILL, DECODE, COLOCATED)
 
 
@@ -68,6 +70,7 @@ class Instance:
         self.loop.start()
         self.transport = ObjectStoreTransport()
         self._known: dict[str, set[Hashable]] = {}  # cached keys the last heartbeat told
+        self._leases: dict[str, tuple[float, list[tuple[int, int]]]] = {}  # pins for senders
         self.sent_bytes = self.received_bytes = 0
 
     def info(self) -> InstanceInfo:
@@ -122,28 +125,58 @@ class Instance:
         """Continue a request a prefill instance started: import its KV, then generate."""
         payload = None if handle is None else self.transport.receive(handle)
         before = None if payload is None else (lambda e: self._import(payload))
-        out = None
+        lease, out = sub.request_id, None
         try:
             async for out in self.generate(sub, before):
+                if lease is not None:  # its first token: the lookup took the held pages
+                    await self.loop.call(functools.partial(self._release, lease))
+                    lease = None
                 yield out
         finally:
+            if lease is not None:
+                await self.loop.call(functools.partial(self._release, lease))
             if not keep:
                 tokens = sub.prompt_token_ids + (out.outputs[0].token_ids if out else [])
                 await self.loop.call(lambda: self.engine.kv.delete(tokens))
 
     # -------------------------------------------------------------------- KV
 
-    async def held(self, tokens: list[int]) -> dict[str, set[int]]:
-        """Per spec, the full blocks of tokens this instance caches (a sender skips them)."""
-        return await self.loop.call(lambda: self.engine.kv.held_blocks(tokens))
+    async def held(self, tokens: list[int], lease: str) -> dict[str, set[int]]:
+        """Per spec, the full blocks of tokens this instance caches (a sender skips them),
+        pinned under `lease` until the transfer's request has taken them (decode) or the
+        import is done (import_kv), or LEASE_S passed (the sender died)."""
+        def hold() -> dict[str, set[int]]:
+            have, pins = self.engine.kv.hold(tokens)
+            self._release(lease)
+            self._leases[lease] = (time.monotonic(), pins)
+            return have
+        return await self.loop.call(hold)
+
+    def _release(self, lease: str | None) -> None:
+        """Engine thread: unpin a lease's pages (a lease unknown or released: nothing)."""
+        taken = self._leases.pop(lease, None) if lease is not None else None
+        if taken is not None:
+            self.engine.kv.release(taken[1])
+
+    def _expire_leases(self) -> None:
+        old = [k for k, (t, _) in self._leases.items() if time.monotonic() - t > LEASE_S]
+        for k in old:
+            self._release(k)
 
     async def export_kv(self, tokens: list[int], have: dict[str, set[int]] | None = None,
                         ) -> object:
         return self.transport.send(await self.loop.call(lambda: self._export(tokens, have)))
 
-    async def import_kv(self, handle: object) -> int:
+    async def import_kv(self, handle: object, lease: str | None = None) -> int:
+        """Insert a payload into the cache; the lease `held` took for it ends."""
         payload = self.transport.receive(handle)
-        return await self.loop.call(lambda: self._import(payload))
+
+        def run() -> int:
+            try:
+                return self._import(payload)
+            finally:
+                self._release(lease)
+        return await self.loop.call(run)
 
     def _export(self, tokens: list[int], have: dict[str, set[int]] | None) -> KVPayload:
         payload = export_kv(self.engine.mempool, tokens, have)
@@ -162,6 +195,7 @@ class Instance:
         return await self.loop.call(self._heartbeat)
 
     def _heartbeat(self) -> Heartbeat:
+        self._expire_leases()
         e = self.engine
         hb = Heartbeat(self.name, len(e.scheduler.running), len(e.scheduler.waiting),
                        sent_bytes=self.sent_bytes, received_bytes=self.received_bytes)

@@ -498,15 +498,23 @@ class KVCacheManager:
                         else (True, host[h]) for h in r.hashes[:q]])
         return q * self.T, out
 
-    def held_blocks(self, tokens: Sequence[int]) -> dict[str, set[int]]:
-        """Per spec, the full blocks of tokens cached in either tier (a sender skips them)."""
-        keys = self.block_keys(tokens)
-        out = {}
+    def hold(self, tokens: Sequence[int]) -> tuple[dict[str, set[int]], list[tuple[int, int]]]:
+        """Per spec, the full blocks of tokens cached on the device, pinned there (a sender
+        skips them, so they must outlive the transfer): ({spec: blocks}, pins), until
+        `release(pins)`."""
+        keys, out, pins = self.block_keys(tokens), {}, []
         for m in self.managers:
             dev = self.alloc.specs[m.s].cached
-            host = self.host.cached(m.s) if self.host is not None else {}
-            out[m.spec.name] = {b for b, h in enumerate(keys) if h in dev or h in host}
-        return out
+            out[m.spec.name] = {b for b, h in enumerate(keys) if h in dev}
+            pins += [(m.s, dev[keys[b]]) for b in out[m.spec.name]]
+        for s, pid in pins:
+            self.alloc.claim(s, [pid])
+        return out, pins
+
+    def release(self, pins: Sequence[tuple[int, int]]) -> None:
+        """Undo hold(): the pages go back to what they were (evictable, same LRU place)."""
+        for s, pid in pins:
+            self.alloc.unclaim(s, [pid])
 
     def cached_keys(self) -> dict[str, set[Hashable]]:
         """Per tier ("device", "host"), the block keys a prefix's every block is kept
