@@ -108,3 +108,16 @@ def test_sharegpt_reads_the_packaged_dataset() -> None:
     assert all(r.prompt_len > 0 and r.output_len > 0 for r in trace)
     assert trace[-1].arrival > 0
     assert "sharegpt" in GENERATORS
+
+
+def test_doc_qa_sessions_repeat_token_for_token(tmp_path) -> None:
+    trace = load_trace("doc-qa:docs=3,questions=2,share=2,doc_lo=300,doc_hi=600")
+    assert len(trace) == 12 and len({r.session for r in trace}) == 6
+    by_id = {r.id: r for r in trace}
+    assert by_id["d1c0q1"].prompt_ids == by_id["d1c1q1"].prompt_ids  # a copy repeats
+    doc = by_id["d1c0q0"].prompt_ids
+    q1 = by_id["d1c0q1"].prompt_ids
+    assert q1[:len(doc) - 70] == doc[:len(doc) - 70] and q1 != doc  # same document
+    path = tmp_path / "d.jsonl"
+    write_jsonl(path, trace)
+    assert read_jsonl(path) == trace  # sessions survive the round trip

@@ -21,6 +21,7 @@ import torch
 from kvserve.cluster.transfer import KVPayload, ObjectStoreTransport, export_kv, import_kv
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.request import RequestOutput
+from kvserve.memory import KVCacheManager
 from kvserve.server.engine_loop import EngineLoop, EngineSnapshot, Submission
 
 PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
@@ -81,15 +82,8 @@ class Instance:
                             self._max_prompt())
 
     def _max_prompt(self) -> int:
-        """Bisect the longest prompt add_request accepts (KV pool and context length)."""
-        e, lo, hi = self.engine, 0, self.engine.max_model_len - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if e.kv.fits_alone(mid + 1, e.cfg.max_num_batched_tokens):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        e = self.engine
+        return longest_prompt(e.kv, e.max_model_len, e.cfg.max_num_batched_tokens)
 
     def tokenizer(self) -> object:
         return self.engine.tokenizer
@@ -199,14 +193,7 @@ class Instance:
         e = self.engine
         hb = Heartbeat(self.name, len(e.scheduler.running), len(e.scheduler.waiting),
                        sent_bytes=self.sent_bytes, received_bytes=self.received_bytes)
-        now = e.kv.cached_keys()
-        for tier, keys in now.items():
-            known = self._known.get(tier, set())
-            hb.stored[tier] = list(keys - known)
-            hb.removed[tier] = list(known - keys)
-        held = set().union(*now.values())
-        hb.gone = [h for keys in hb.removed.values() for h in keys if h not in held]
-        self._known = now
+        self._known = kv_events(hb, e.kv, self._known)
         return hb
 
     async def snapshot(self) -> EngineSnapshot:
@@ -214,6 +201,32 @@ class Instance:
 
     def ping(self) -> str:
         return self.name
+
+
+def longest_prompt(kv: KVCacheManager, max_model_len: int, chunk: int) -> int:
+    """Bisect the longest prompt an engine accepts (KV pool and context length)."""
+    lo, hi = 0, max_model_len - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if kv.fits_alone(mid + 1, chunk):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def kv_events(hb: Heartbeat, kv: KVCacheManager,
+              known: dict[str, set[Hashable]]) -> dict[str, set[Hashable]]:
+    """Fill hb's KV events: the cached keys per tier against `known` (what the last
+    heartbeat told). Returns the keys to know for the next one."""
+    now = kv.cached_keys()
+    for tier, keys in now.items():
+        old = known.get(tier, set())
+        hb.stored[tier] = list(keys - old)
+        hb.removed[tier] = list(old - keys)
+    held = set().union(*now.values())
+    hb.gone = [h for keys in hb.removed.values() for h in keys if h not in held]
+    return now
 
 
 def finished_early(out: RequestOutput | None, sub: Submission) -> bool:

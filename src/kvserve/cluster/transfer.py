@@ -16,7 +16,7 @@ Ray cluster); an NCCL / NIXL transport for GPU memory fits the same interface.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -47,16 +47,27 @@ class KVPayload:
 def export_kv(pool: MemPool, tokens: list[int],
               have: Mapping[str, set[int]] | None = None) -> KVPayload:
     """The cached KV of tokens' longest cached prefix, less the blocks in `have`."""
+    prefix, picks = plan_export(pool, tokens, have)
+    out = KVPayload(prefix)
+    for name, pairs in picks.items():
+        out.blocks[name] = [b for b, _ in pairs]
+        out.data[name] = _gather(pool, [a for _, a in pairs])
+    return out
+
+
+def plan_export(pool: MemPool, tokens: list[int], have: Mapping[str, set[int]] | None = None,
+                ) -> tuple[list[int], dict[str, list[tuple[int, Addr]]]]:
+    """What export_kv sends, without the bytes: tokens' longest cached prefix and, per
+    spec, the (block, page) pairs of it the receiver lacks (the simulator prices these)."""
     pool.flush()  # tier copies first: a page may be on its way to the host
     n, rows = pool.match(tokens)
-    out = KVPayload(list(tokens[:n]))
+    picks: dict[str, list[tuple[int, Addr]]] = {}
     for name, row in rows.items():
         skip = have.get(name, set()) if have else set()
-        picks = [(b, a) for b, a in enumerate(row) if a is not None and b not in skip]
-        if picks:
-            out.blocks[name] = [b for b, _ in picks]
-            out.data[name] = _gather(pool, [a for _, a in picks])
-    return out
+        pairs = [(b, a) for b, a in enumerate(row) if a is not None and b not in skip]
+        if pairs:
+            picks[name] = pairs
+    return list(tokens[:n]), picks
 
 
 def _gather(pool: MemPool, addrs: list[Addr]) -> torch.Tensor:
@@ -73,25 +84,37 @@ def import_kv(pool: MemPool, payload: KVPayload) -> int:
     """Write the payload's pages into new device pages and cache them under the
     payload's block keys (transfer_with_insert's receiving end); returns the pages
     inserted, 0 when the pool has no room (the tokens get recomputed)."""
-    if not payload.blocks:
+
+    def write(name: str, pages: list[Addr]) -> None:
+        s = pool.kv.layout.index(name)
+        copy_pages(payload.data[name], pool.device.pages(s), list(range(len(pages))),
+                   [a.page for a in pages])
+    return insert_blocks(pool, payload.tokens, payload.blocks, write)
+
+
+def insert_blocks(pool: MemPool, tokens: list[int], blocks: Mapping[str, list[int]],
+                  write: Callable[[str, list[Addr]], None] | None = None) -> int:
+    """import_kv's bookkeeping: new device pages for each spec's blocks (`write` fills
+    them; the simulator has no bytes), cached under tokens' block keys, then freed into
+    the evictable cache. Returns the pages inserted, 0 when the pool has no room."""
+    if not blocks:
         return 0
     try:
-        addrs = pool.alloc_mem({name: len(b) for name, b in payload.blocks.items()}, DEVICE)
+        addrs = pool.alloc_mem({name: len(b) for name, b in blocks.items()}, DEVICE)
     except OutOfPages:
         return 0
-    nblocks = len(payload.tokens) // pool.kv.T
+    nblocks = len(tokens) // pool.kv.T
     rows: dict[str, list[Addr | None]] = {}
     taken = iter(addrs)  # alloc_mem returns pages grouped by spec, in size's order
-    for name, blocks in payload.blocks.items():
-        mine = [next(taken) for _ in blocks]
-        s = pool.kv.layout.index(name)
-        copy_pages(payload.data[name], pool.device.pages(s), list(range(len(blocks))),
-                   [a.page for a in mine])
+    for name, bl in blocks.items():
+        mine = [next(taken) for _ in bl]
+        if write is not None:
+            write(name, mine)
         row: list[Addr | None] = [None] * nblocks
-        for b, a in zip(blocks, mine):
+        for b, a in zip(bl, mine):
             row[b] = a
         rows[name] = row
-    n = pool.insert(payload.tokens, rows)
+    n = pool.insert(tokens, rows)
     pool.free_mem(addrs)  # cached now, evictable; a page cached already becomes empty
     return n
 

@@ -4,7 +4,10 @@
         --json out.json --plot out/
 
 `--trace` is a JSONL file or a generator (`name` or `name:key=value,...`):
-decode20, static, dynamic, arxiv-qa, mmmu, sharegpt (see kvserve.sim.traces).
+decode20, static, dynamic, arxiv-qa, mmmu, sharegpt, sharegpt-chat, doc-qa (see
+kvserve.sim.traces). With `--instances N` the trace runs through a simulated
+cluster of N such engines instead (MemServe's designs and global scheduler:
+kvserve.sim.cluster_cli).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import time
 
 from kvserve.memory.baselines import POLICIES
+from kvserve.sim import cluster_cli
 from kvserve.sim.gpus import GPUS, get_gpu
 from kvserve.sim.models import BF16, FP8, MODELS, get_model
 from kvserve.sim.traces import GENERATORS, load_trace, write_jsonl
@@ -46,8 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-memory", type=float, default=0.0, metavar="GB",
                    help="a host tier of this many GB keeps what the KV pool evicts "
                         "(loads and write-backs cost PCIe time)")
-    p.add_argument("--mem-every", type=int, default=1,
-                   help="record the memory core's stats every N steps")
+    p.add_argument("--mem-every", type=int, default=None,
+                   help="record the memory core's stats every N steps (default 1; "
+                        "a cluster: 0, never)")
+    cluster_cli.add_arguments(p)
 
 
 def _policies(text: str) -> list[str]:
@@ -77,7 +83,8 @@ def _config(args: argparse.Namespace, policy: str):
         tokens_per_page=args.tokens_per_page, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_utilization=args.gpu_utilization, fp8_weights=fp8_weights, kv_dtype_bytes=kv_bytes,
-        tp=args.tp, enable_caching=not args.no_prefix_caching, mem_every=args.mem_every,
+        tp=args.tp, enable_caching=not args.no_prefix_caching,
+        mem_every=(0 if args.instances else 1) if args.mem_every is None else args.mem_every,
         host_bytes=int(args.host_memory * 1e9),
     )
 
@@ -89,6 +96,8 @@ def main(args: argparse.Namespace) -> None:
     trace = load_trace(args.trace)
     if args.save_trace:
         write_jsonl(args.save_trace, trace)
+    if args.instances:
+        return cluster_cli.main(args, trace, lambda policy: _config(args, policy))
     runs = []
     for policy in args.policy:
         t0 = time.perf_counter()

@@ -34,11 +34,11 @@ def summary(res: SimResult) -> dict:
         "output_tokens_per_s": generated / clock if clock else 0.0,
         "total_tokens_per_s": (generated + prompt) / clock if clock else 0.0,
         "requests_per_s": len(done) / clock if clock else 0.0,
-        "mean_latency_s": _mean([r.finish - r.arrival for r in done]),
-        "mean_ttft_s": _mean(ttfts),
-        "p50_ttft_s": _quantile(ttfts, 0.5),
-        "p99_ttft_s": _quantile(ttfts, 0.99),
-        "avg_decode_batch": _mean(decode_steps),
+        "mean_latency_s": mean([r.finish - r.arrival for r in done]),
+        "mean_ttft_s": mean(ttfts),
+        "p50_ttft_s": quantile(ttfts, 0.5),
+        "p99_ttft_s": quantile(ttfts, 0.99),
+        "avg_decode_batch": mean(decode_steps),
         "decode_steps": len(decode_steps),
         "hit_rate": sum(r.cached_tokens for r in admitted) / prompt if prompt else 0.0,
         "lookup_hit_rate": res.hit_tokens / res.queried_tokens if res.queried_tokens else 0.0,
@@ -47,13 +47,13 @@ def summary(res: SimResult) -> dict:
         "waste_of_pool": _time_avg(res, lambda m: m.stats.waste / m.stats.pool_bytes),
         "held_of_pool": _time_avg(res, _held_fraction),
         # The same waste averaged with every sampled step weighing the same.
-        "waste_of_held_per_step": _mean([m.stats.waste_fraction for m in res.memory]),
+        "waste_of_held_per_step": mean([m.stats.waste_fraction for m in res.memory]),
         "need_share": need_share(res),
         **_host_summary(res),
     }
 
 
-def _quantile(ordered: list[float], q: float) -> float:
+def quantile(ordered: list[float], q: float) -> float:
     """Nearest-rank quantile of sorted values (0 for none)."""
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
@@ -89,7 +89,7 @@ def _held_fraction(m: MemSample) -> float:
     return sum(s.used + s.empty for s in st.specs) / st.pool_bytes
 
 
-def _mean(xs: list[float]) -> float:
+def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
@@ -106,7 +106,7 @@ def _time_avg(res: SimResult, f) -> float:
     weights = [sum(s.dt for s in res.steps[m.step:end]) for m, end in zip(mem, bounds)]
     total = sum(weights)
     if total == 0:
-        return _mean([f(m) for m in mem])
+        return mean([f(m) for m in mem])
     return sum(w * f(m) for w, m in zip(weights, mem)) / total
 
 

@@ -42,7 +42,7 @@ class SimConfig:
     kv_dtype_bytes: int = BF16
     tp: int = 1
     enable_caching: bool = True
-    mem_every: int = 1  # take the memory core's Stats every N steps
+    mem_every: int = 1  # take the memory core's Stats every N steps (0: never)
     host_bytes: int = 0  # a host tier (MemServe's DRAM pool) of this size; 0: none
 
     @property
@@ -117,10 +117,14 @@ class OutOfMemory(RuntimeError):
 
 
 StepHook = Callable[[KVCacheManager, Scheduler, list[Scheduled]], None]
+# on_done(record, request (None: rejected on arrival), time): a request finished or was
+# rejected; the record says which
+DoneHook = Callable[[RequestRecord, Request | None, float], None]
 
 
 class Simulator:
-    def __init__(self, cfg: SimConfig, on_step: StepHook | None = None) -> None:
+    def __init__(self, cfg: SimConfig, on_step: StepHook | None = None,
+                 on_done: DoneHook | None = None) -> None:
         self.cfg = cfg
         budget = cfg.budget()
         if budget.kv <= 0:
@@ -140,6 +144,8 @@ class Simulator:
         self._moved = [0, 0]  # bytes copied this step: [device -> host, host -> device]
         self.synth = TokenSynth()
         self.on_step = on_step
+        self.on_done = on_done
+        self.clock = 0.0
         self.result = SimResult(cfg, budget, self.kv.pool_bytes)
         self._records: dict[str, RequestRecord] = {}
         self._image_tokens: dict[str, int] = {}
@@ -148,33 +154,56 @@ class Simulator:
 
     def run(self, trace: list[TraceRequest]) -> SimResult:
         pending = deque(sorted(trace, key=lambda r: r.arrival))
-        clock = 0.0
-        while pending or self.sched.has_work():
-            while pending and pending[0].arrival <= clock:
-                self._arrive(pending.popleft())
-            if not self.sched.has_work():
+        while pending or self.busy:
+            while pending and pending[0].arrival <= self.clock:
+                self.arrive(pending.popleft())
+            if not self.busy:
                 if pending:
-                    clock = max(clock, pending[0].arrival)
+                    self.wait_until(pending[0].arrival)
                 continue
-            clock += self._step(clock)
+            self.step()
+        return self.collect()
+
+    # An instance of a cluster is driven from outside through the calls below: a shared
+    # event clock feeds it requests (arrive) and advances it one step at a time (step).
+
+    @property
+    def busy(self) -> bool:
+        return self.sched.has_work()
+
+    def wait_until(self, t: float) -> None:
+        """Idle until t (a step under way still ends when it ends)."""
+        self.clock = max(self.clock, t)
+
+    def step(self) -> float:
+        """Run one engine step from the clock; returns its duration."""
+        dt = self._step(self.clock)
+        self.clock += dt
+        return dt
+
+    def collect(self) -> SimResult:
+        """The result so far, with the scheduler's and memory core's totals."""
         res = self.result
         res.preemptions = self.sched.num_preemptions
         res.queried_tokens, res.hit_tokens = self.kv.queried_tokens, self.kv.hit_tokens
         res.host = self.kv.stats().host
         return res
 
-    def _arrive(self, tr: TraceRequest) -> None:
+    def arrive(self, tr: TraceRequest) -> RequestRecord:
+        """tr joins the scheduler (or is rejected, which the record says)."""
         rec = RequestRecord(tr.id, tr.arrival, tr.prompt_len, tr.output_len)
         self.result.requests.append(rec)
         limit = self.cfg.model_len
         if tr.prompt_len >= limit:
             rec.rejected = f"prompt of {tr.prompt_len} tokens >= max_model_len {limit}"
-            return
+            self._done(rec, None, self.clock)
+            return rec
         images = tr.image_inputs()
         # The engine's admission check: the prompt plus one token must fit an empty pool.
         if not self.kv.fits_alone(tr.prompt_len + 1, self.cfg.batched_tokens, images):
             rec.rejected = "needs more KV memory than the pool holds"
-            return
+            self._done(rec, None, self.clock)
+            return rec
         max_tokens = min(tr.output_len, limit - tr.prompt_len)
         req = Request(tr.id, None, self.synth.prompt_ids(tr),
                       SamplingParams(max_tokens=max_tokens, ignore_eos=True),
@@ -182,12 +211,25 @@ class Simulator:
         self._records[tr.id] = rec
         self._image_tokens[tr.id] = tr.image_tokens
         self.sched.add(req)
+        return rec
+
+    def _forget(self, rid: str) -> None:
+        """A request left: its id may come back (a cluster's next stage of it)."""
+        del self._records[rid]
+        self._image_tokens.pop(rid, None)
+
+    def _done(self, rec: RequestRecord, req: Request | None, now: float) -> None:
+        if self.on_done is not None:
+            self.on_done(rec, req, now)
 
     def _step(self, clock: float) -> float:
         batch, failed = self.sched.schedule()
         for req in failed:
-            self._records[req.request_id].rejected = "could not be scheduled alone"
+            rec = self._records[req.request_id]
+            self._forget(req.request_id)
+            rec.rejected = "could not be scheduled alone"
             self.sched.finish(req)
+            self._done(rec, req, clock)
         if not batch:
             if failed:
                 return 0.0
@@ -249,6 +291,8 @@ class Simulator:
         if len(req.output_ids) >= req.params.max_tokens:
             self.sched.finish(req)
             rec.finish = now
+            self._forget(req.request_id)
+            self._done(rec, req, now)
 
     def _record_step(self, clock: float, dt: float, memory_bound: bool,
                      batch: list[Scheduled]) -> None:
@@ -259,7 +303,7 @@ class Simulator:
         res.steps.append(StepRecord(clock, dt, sum(s.num_tokens for s in batch), decode, prefill,
                                     len(self.sched.running), len(self.sched.waiting),
                                     memory_bound))
-        if step % self.cfg.mem_every == 0:
+        if self.cfg.mem_every and step % self.cfg.mem_every == 0:
             res.memory.append(MemSample(clock, step, self.kv.stats()))
 
 

@@ -11,11 +11,14 @@ same `prefix_id` share their first `prefix_len` token ids exactly, so the
 prefix cache can hit; everything else gets ids no other request has.
 `images` are the request's images (cross-attention models: `offset` is the
 text position of the image marker); equal ids mean the same image content.
+An optional `session` names a conversation: the cluster simulator sends its
+requests one after another (each after the previous one's answer).
 
 Generators (`name` or `name:key=value,...`, see GENERATORS): the paper's
 20 long requests at once (Fig. 15), the static and dynamic length traces
 (Fig. 16), arXiv-QA-like questions over N articles (Fig. 17), MMMU-pro-like
-image+text shapes (§3.2) and ShareGPT (lengths from the real dataset).
+image+text shapes (§3.2), ShareGPT (lengths from the real dataset; single
+or multi-turn) and LooGLE-like document-QA sessions (MemServe §8.4).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class TraceRequest:
     prefix_len: int = 0
     images: tuple[Image, ...] = ()
     prompt_ids: list[int] | None = field(default=None, repr=False)
+    session: str | None = None  # a conversation: its requests go one after another
 
     def __post_init__(self) -> None:
         if self.prompt_ids is not None:
@@ -78,6 +82,8 @@ class TraceRequest:
             d["prompt_len"] = self.prompt_len
         if self.prefix_id is not None:
             d["prefix_id"], d["prefix_len"] = self.prefix_id, self.prefix_len
+        if self.session is not None:
+            d["session"] = self.session
         if self.images:
             d["images"] = [{"id": im.id, "offset": im.offset, "tokens": im.tokens}
                            for im in self.images]
@@ -94,6 +100,7 @@ class TraceRequest:
             prefix_id=None if prefix is None else str(prefix),
             prefix_len=int(d.get("prefix_len", 0)), images=images,
             prompt_ids=None if d.get("prompt_ids") is None else [int(t) for t in d["prompt_ids"]],
+            session=None if d.get("session") is None else str(d["session"]),
         )
 
 
@@ -268,9 +275,11 @@ def sharegpt_chat(sessions: int = 200, turns: int = 8, rate: float = 1.0,
     `turns` exchanges each, cut before the session would pass `max_len`
     tokens. Sessions start as a Poisson process at `rate` per second; a
     turn arrives `think` seconds (exponential mean) after the previous
-    one's arrival. Turn k's prompt ids are turn k-1's prompt, its answer as
-    the simulator samples it (OUTPUT_TOKEN repeated) and the new human
-    message (unique ids), so the previous turn's whole sequence can hit.
+    one's arrival (the cluster simulator counts that gap from the previous
+    answer instead: MemServe's causal sessions). Turn k's prompt ids are turn
+    k-1's prompt, its answer as the simulator samples it (OUTPUT_TOKEN
+    repeated) and the new human message (unique ids), so the previous turn's
+    whole sequence can hit.
     """
     from kvserve.datasets.sharegpt import load_conversations
 
@@ -289,8 +298,47 @@ def sharegpt_chat(sessions: int = 200, turns: int = 8, rate: float = 1.0,
             unique += 1
             ids = ids + [unique] + list(range(len(ids) + 1, len(ids) + n_in))
             out.append(TraceRequest(f"c{i}t{k}", t, n_out, prompt_ids=ids,
-                                    prefix_id=f"chat-{i}", prefix_len=0))
+                                    prefix_id=f"chat-{i}", prefix_len=0, session=f"chat-{i}"))
             ids = ids + [OUTPUT_TOKEN] * n_out
+            t += rng.expovariate(1 / think) if think > 0 else 0.0
+    out.sort(key=lambda r: r.arrival)
+    return out
+
+
+def doc_qa(docs: int = 80, questions: int = 3, share: int = 2, doc_lo: int = 2048,
+           doc_hi: int = 8192, q_lo: int = 16, q_hi: int = 64, out_lo: int = 8,
+           out_hi: int = 64, rate: float = 1.0, think: float = 5.0,
+           seed: int = 0) -> list[TraceRequest]:
+    """LooGLE-like document-QA sessions, as in MemServe's global-scheduler study (§8.4).
+
+    Each of `docs` documents has a session of `questions` questions; each prompt is the
+    document followed by one question, each answer `out_lo`..`out_hi` tokens (LooGLE's
+    answers are short). `share` copies of every session run (MemServe's share ratio: a
+    copy repeats the session's requests token for token, under its own session id), so
+    prompts repeat across sessions as well as within them. Sessions start as a Poisson
+    process at `rate` per second, copies shuffled among the others; a session's
+    questions are `think` s (exponential mean) apart. Document lengths are uniform in
+    [doc_lo, doc_hi] (MemServe cut LooGLE's documents to 1k tokens for Llama 2's 4k
+    context; the documents themselves are far longer).
+    """
+    rng = random.Random(seed)
+    sessions = []
+    for d in range(docs):
+        n = rng.randint(doc_lo, doc_hi)
+        doc = [PREFIX_BASE + d] + list(range(1, n))
+        asks = []
+        for q in range(questions):
+            m = rng.randint(q_lo, q_hi)
+            question = [UNIQUE_BASE + d * questions + q] + list(range(n + 1, n + m))
+            asks.append((doc + question, rng.randint(out_lo, out_hi)))
+        sessions += [(d, c, asks) for c in range(share)]
+    rng.shuffle(sessions)
+    starts = _poisson_arrivals(rng, len(sessions), rate)
+    out = []
+    for (d, c, asks), t in zip(sessions, starts):
+        for q, (ids, n_out) in enumerate(asks):
+            out.append(TraceRequest(f"d{d}c{c}q{q}", t, n_out, prompt_ids=ids,
+                                    session=f"doc-{d}-copy-{c}"))
             t += rng.expovariate(1 / think) if think > 0 else 0.0
     out.sort(key=lambda r: r.arrival)
     return out
@@ -298,8 +346,6 @@ def sharegpt_chat(sessions: int = 200, turns: int = 8, rate: float = 1.0,
 
 def _est_tokens(text: str) -> int:
     return max(1, math.ceil(len(text) / 4))
-
-
 
 
 GENERATORS: dict[str, Callable[..., list[TraceRequest]]] = {
@@ -310,6 +356,7 @@ GENERATORS: dict[str, Callable[..., list[TraceRequest]]] = {
     "mmmu": mmmu,
     "sharegpt": sharegpt,
     "sharegpt-chat": sharegpt_chat,
+    "doc-qa": doc_qa,
 }
 
 
