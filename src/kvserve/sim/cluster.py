@@ -51,6 +51,7 @@ from kvserve.cluster.instance import (
 )
 from kvserve.cluster.prompt_tree import block_hashes
 from kvserve.engine.request import Request
+from kvserve.memory import KVCacheManager
 from kvserve.sim.cost import Chunk, CostModel
 from kvserve.sim.kv_moves import IndexPool, SimPayload, export, import_
 from kvserve.sim.network import Network, NetworkConfig
@@ -260,7 +261,7 @@ class ClusterSim:
     def _move(self, kind: str, src: Node, dst: Node, tokens: list[int], now: float,
               then: Callable[[float], None] | None = None) -> None:
         """transfer_with_insert of src's cached KV of tokens, less what dst holds."""
-        payload = export(src.pool, tokens, dst.sim.kv.held_blocks(tokens))
+        payload = export(src.pool, tokens, held(dst.sim.kv, tokens))
         src.member.sent_bytes += payload.nbytes
 
         def land(t: float) -> None:
@@ -316,7 +317,7 @@ class ClusterSim:
 
     def _prefill(self, job: Job, p: Node, cached: int, d: Node, _: int, now: float) -> None:
         job.decode = d.name
-        have = d.sim.kv.held_blocks(job.prompt) if self.design.keep_at_decode else None
+        have = held(d.sim.kv, job.prompt) if self.design.keep_at_decode else None
         self.sched.started(p.member, job.id, len(job.prompt), cached)
         self._submit(p, job, job.prompt, 1, now, partial(self._prefilled, job, p, d, have))
 
@@ -385,3 +386,12 @@ class ClusterSim:
 
 def simulate_cluster(trace: list[TraceRequest], cfg: ClusterConfig) -> ClusterResult:
     return ClusterSim(cfg, trace).run()
+
+
+def held(kv: KVCacheManager, tokens: list[int]) -> dict[str, set[int]]:
+    """The blocks a receiver holds, as the real instance's `held` reports them. Not pinned:
+    the simulator does not model the real instance's lease, so a block evicted before the
+    request reaches the receiver is recomputed there (pessimistic for the caching designs)."""
+    have, pins = kv.hold(tokens)
+    kv.release(pins)
+    return have
