@@ -12,7 +12,14 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_reference import NEW_TOKENS, SHORT_TEXT, HfGreedy, KvModel, ledger_text  # noqa: E402
+from hf_reference import (  # noqa: E402
+    NEW_TOKENS,
+    SHORT_TEXT,
+    HfGreedy,
+    KvModel,
+    gguf_parsed_once,
+    ledger_text,
+)
 
 from kvserve.models import Gemma3ForCausalLM, default_gguf_path, load_model_files  # noqa: E402
 
@@ -33,9 +40,10 @@ def kv(gguf_path: Path) -> KvModel:
 def hf_model(gguf_path: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    with gguf_parsed_once():  # one parse for the config and the tensors (and the tokenizer)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
     return model.eval()
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +34,39 @@ class HfGreedy:
 
     tokens: list[int]
     logits: list[torch.Tensor]
+
+
+_GGUF_READERS: dict[tuple[str, int, int], Any] = {}
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Inside this block, transformers' GGUF loading parses each file once per session.
+
+    transformers builds a new ``gguf.GGUFReader`` for a model's config, again for its tensors
+    and again for a tokenizer's config; each one reads the 262k-entry vocabulary field by field
+    (15-20 s on 2 cores). The reader is a read-only memory map of the file, so handing the
+    same one out again changes nothing transformers reads: the config, the dequantisation and
+    the tokenizer conversion are still its own, from the file.
+    """
+    import gguf
+
+    real = gguf.GGUFReader
+
+    def reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        if mode != "r":
+            return real(path, mode)
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        if key not in _GGUF_READERS:
+            _GGUF_READERS[key] = real(path, mode)
+        return _GGUF_READERS[key]
+
+    gguf.GGUFReader = reader  # transformers imports it from gguf at each call
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
 
 
 def ledger_text(lines: int) -> str:

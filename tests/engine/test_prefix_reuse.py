@@ -7,15 +7,21 @@ uniform paging would cache) and not the sliding-window pages every prefill
 lets go of. The memory core's rules must keep the second question of every
 document hitting the whole document, where the paper's plain LRU rules (out
 -of-window pages cached as new) hit none; greedy tokens must still equal HF's.
+The paper-rules run needs only the memory core's choices, so a stand-in with the
+real model's KV layout and next to no compute serves it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 from hf_reference import NEW_TOKENS, assert_same_greedy, ledger_text, serve_in_order
 
 from kvserve.engine.engine import EngineConfig, LLMEngine
 from kvserve.engine.request import SamplingParams
+from kvserve.models import Gemma3ForCausalLM
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 MiB = 1 << 20
@@ -45,8 +51,8 @@ def questions(kv):
     return out
 
 
-def serve_in_turn(kv, questions, paper_rules: bool):
-    engine = LLMEngine(kv.model, kv.tokenizer, EngineConfig(kv_memory=BUDGET))
+def serve_in_turn(model, tokenizer, questions, paper_rules: bool):
+    engine = LLMEngine(model, tokenizer, EngineConfig(kv_memory=BUDGET))
     if paper_rules:  # every released page cached under its release step, no marks
         for m in engine.kv.managers:
             m.reuse = None
@@ -58,10 +64,25 @@ def serve_in_turn(kv, questions, paper_rules: bool):
 def test_documents_questioned_in_turn_keep_hitting(kv, hf_greedy, questions):
     per_token = 18 * 2 * 256 * 4  # 18 layers, K+V, 1 KV head x 256, float32
     assert 3 * DOC * per_token > BUDGET  # uniform paging cannot cache the three documents
-    outs, hits, mgr = serve_in_turn(kv, questions, paper_rules=False)
+    outs, hits, mgr = serve_in_turn(kv.model, kv.tokenizer, questions, paper_rules=False)
     assert hits == [0, 0, 0, DOC, DOC, DOC]
     assert mgr.hit_tokens == 3 * DOC  # counted by the manager at admission
     for prompt, out in zip(questions[3:], outs[3:], strict=True):  # served from the cache
         assert_same_greedy(out, hf_greedy(prompt))
-    _, old_hits, _ = serve_in_turn(kv, questions, paper_rules=True)
+    # The paper's rules on the same workload. What they cache, evict and hit depends on the
+    # KV specs, the pool and the token counts alone (greedy outputs are never part of a
+    # later prompt), so a twin with the real model's KV layout and next to no compute runs it.
+    _, old_hits, old_mgr = serve_in_turn(layout_twin(kv.model), kv.tokenizer, questions,
+                                         paper_rules=True)
+    assert (old_mgr.model_specs, old_mgr.layout, old_mgr.pool_bytes) == (
+        mgr.model_specs, mgr.layout, mgr.pool_bytes)
     assert sum(old_hits) < DOC
+
+
+def layout_twin(model: Gemma3ForCausalLM) -> Gemma3ForCausalLM:
+    """Random weights, hidden size 8 and one query head, but the same layers, window, KV
+    heads, head size and dtype: the same KV specs, pages and schedule for the same tokens."""
+    torch.manual_seed(0)
+    config = dataclasses.replace(model.config, hidden_size=8, intermediate_size=8,
+                                 num_attention_heads=model.config.num_key_value_heads)
+    return Gemma3ForCausalLM(config).to(model.dtype).eval()
