@@ -65,6 +65,42 @@ def test_matches_torch_attention(kernels, seed, dtype, Hkv, G, D, T, chunks, win
     torch.testing.assert_close(got, want, **tol)
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       G=st.sampled_from([1, 4]), D=st.sampled_from([16, 64]),
+       chunks=st.lists(st.tuples(st.integers(0, 40), st.sampled_from([1, 3])),
+                       min_size=1, max_size=3),
+       cut=st.floats(0, 1))
+def test_split_ranges_merge_by_their_lse(kernels, seed, dtype, G, D, chunks, cut):
+    """DistAttention on the kernel: each row's keys split in two ranges (one may be
+    empty), each attended with its log-sum-exp, merge to the whole range's output."""
+    from kvserve.models.dist_attention import merge
+
+    q, cache, _, padded, ints, _ = case(seed, dtype, 2, G, D, 4, chunks, 0)
+    seq, lo, n = ints
+    mid = (n.float() * cut).int()
+    whole_lse = torch.empty(q.shape[:2])
+    whole = kernels.paged_attention(q, cache, padded, seq, lo, n, D**-0.5, whole_lse)
+    parts = []
+    for a, m in ((lo, mid), (lo + mid, n - mid)):
+        lse = torch.empty(q.shape[:2])
+        parts.append((kernels.paged_attention(q, cache, padded, seq, a.contiguous(),
+                                              m.contiguous(), D**-0.5, lse), lse))
+    assert bool(torch.isinf(parts[0][1][mid == 0]).all())
+    out, lse = merge(parts)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out, whole, **tol)
+    torch.testing.assert_close(lse, whole_lse, atol=1e-4, rtol=1e-4)
+    # The kernel's lse is the scores' log-sum-exp (float32 scores; bf16 rounds them).
+    if dtype == torch.float32:
+        r = 0
+        pos = torch.arange(int(lo[r]), int(lo[r] + n[r]))
+        page = padded[seq[r]][pos // 4].long()
+        k = cache[page, 0, pos % 4]  # [n, Hkv, D]
+        s = torch.einsum("hgd,lhd->hgl", q[r].view(2, G, D), k) * D**-0.5
+        torch.testing.assert_close(whole_lse[r], s.logsumexp(-1).reshape(-1))
+
+
 def test_reads_a_strided_query_in_place(kernels):
     # The engine hands q as a slice of the fused qkv projection: rows are not contiguous.
     q, cache, _, padded, ints, _ = case(0, torch.float32, 1, 4, 64, 4, [(8, 1), (20, 10)], 0)

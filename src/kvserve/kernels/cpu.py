@@ -60,7 +60,7 @@ _VP, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_
 _SIGNATURES = {
     "kvs_paged_attention": (_INT, [_VP, _I64, _I64, _VP, _I64, _I64, _I64, _I64, _VP, _I64,
                                    _VP, _VP, _VP, _INT, _INT, _INT, _INT, _INT, _F32, _INT,
-                                   _VP, _INT]),
+                                   _VP, _VP, _INT]),
     "kvs_store_kv": (None, [_VP, _I64, _I64, _VP, _I64, _I64, _INT, _INT, _INT, _VP, _I64,
                             _I64, _I64, _I64, _VP, _VP, _INT]),
     "kvs_norm_rope": (None, [_VP, _I64, _I64, _INT, _INT, _INT, _VP, _F32, _VP, _VP, _INT,
@@ -85,14 +85,16 @@ class CpuKernels:
 
     def paged_attention(self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
                         seq: torch.Tensor, lo: torch.Tensor, n_keys: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, lse: torch.Tensor | None = None) -> torch.Tensor:
         """Attention over pages in place, one query row at a time: q [R, Hq, D] -> [R, Hq, D].
 
         cache is one layer's pool view [num_pages, 2, T, Hkv, D]. Row r belongs to sequence
         seq[r], whose pages are tables[seq[r]] (page j holds keys [j T, (j + 1) T)), and
         attends to its keys [lo[r], lo[r] + n_keys[r]) (causal and windowed masks are these
         ranges). tables, seq, lo and n_keys are contiguous int32; every page a range
-        touches must be valid.
+        touches must be valid. `lse` (contiguous float32 [R, Hq]) receives each row's
+        log-sum-exp of its scaled scores (-inf for an empty range, whose output is 0):
+        what DistAttention merges partial results by.
         """
         if q.dtype != cache.dtype or q.dtype not in _DTYPES or q.stride(-1) != 1:
             raise ValueError("paged_attention: q and cache must share float32 or bfloat16, "
@@ -105,7 +107,8 @@ class CpuKernels:
             cache.data_ptr(), *cache.stride()[:4],
             _ptr(tables, torch.int32), tables.stride(0), _ptr(seq, torch.int32, R),
             _ptr(lo, torch.int32, R), _ptr(n_keys, torch.int32, R),
-            R, Hq, Hkv, D, T, scale, _DTYPES[q.dtype], out.data_ptr(), torch.get_num_threads())
+            R, Hq, Hkv, D, T, scale, _DTYPES[q.dtype], out.data_ptr(),
+            None if lse is None else _ptr(lse, torch.float32, R * Hq), torch.get_num_threads())
         if rc != 0:
             raise MemoryError("paged_attention: no scratch memory")
         return out

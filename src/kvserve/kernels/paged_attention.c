@@ -26,8 +26,9 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
     return s;
 }
 
-/* scale the raw scores, softmax each head's row in float32 */
-static void softmax(float *sc, int n, int G, float scale, int is_bf16) {
+/* scale the raw scores, softmax each head's row in float32; lse[g] (if not NULL) gets the
+ * row's log-sum-exp, what DistAttention merges partial results by */
+static void softmax(float *sc, int n, int G, float scale, int is_bf16, float *lse) {
     for (int g = 0; g < G; g++) {
         float *s = sc + (size_t)g * n, m = -INFINITY, sum = 0.f;
         for (int i = 0; i < n; i++) {
@@ -35,6 +36,7 @@ static void softmax(float *sc, int n, int G, float scale, int is_bf16) {
             m = s[i] > m ? s[i] : m;
         }
         for (int i = 0; i < n; i++) { s[i] = expf(s[i] - m); sum += s[i]; }
+        if (lse) lse[g] = m + logf(sum);
         const float inv = 1.f / sum;
         for (int i = 0; i < n; i++) s[i] = is_bf16 ? bf16_round(s[i] * inv) : s[i] * inv;
     }
@@ -148,7 +150,7 @@ INLINE __m512 bf16_round512(__m512 x) {  /* round to nearest even, keep as float
 }
 
 /* softmax() for bf16 scores, 16 at a time (scores are finite: no NaN handling needed) */
-static void softmax_bf16(float *sc, int n, int G, float scale) {
+static void softmax_bf16(float *sc, int n, int G, float scale, float *lse) {
     for (int g = 0; g < G; g++) {
         float *s = sc + (size_t)g * n;
         __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
@@ -166,7 +168,9 @@ static void softmax_bf16(float *sc, int n, int G, float scale) {
             _mm512_mask_storeu_ps(s + i, k, e);
             sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
         }
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+        const float total = _mm512_reduce_add_ps(sum);
+        if (lse) lse[g] = _mm512_reduce_max_ps(m) + logf(total);
+        const __m512 inv = _mm512_set1_ps(1.f / total);
         for (int i = 0; i < n; i += 16) {
             const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
             const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv);
@@ -178,9 +182,9 @@ static void softmax_bf16(float *sc, int n, int G, float scale) {
 /* Returns 0 where G has no instance (the caller takes the float32 path). */
 static int attend_bf16(int G, const uint16_t *q, const uint16_t *const *keys,
                        const uint16_t *const *vals, const uint16_t *zero, int n, int D,
-                       float scale, float *sc, float *acc, int32_t *pairs) {
+                       float scale, float *sc, float *acc, int32_t *pairs, float *lse) {
     switch (G) {
-#define CASE(g) case g: scores_g(g, q, keys, n, D, sc); softmax_bf16(sc, n, g, scale); \
+#define CASE(g) case g: scores_g(g, q, keys, n, D, sc); softmax_bf16(sc, n, g, scale, lse); \
                         values_g(g, sc, vals, zero, n, D, acc, pairs); return 1;
     CASE(1) CASE(2) CASE(4) CASE(8)
 #undef CASE
@@ -215,9 +219,15 @@ static void values_f32(const float *p, const char *const *rows, int n, int G, in
 /* One (query row, KV head) item. scratch holds (3G + 1) D + G (2n + 1) floats. */
 static void attend(const char *qb, int64_t q_sh, const char *const *keys, const char **vals,
                    int64_t kv_bytes, int n, int G, int D, float scale, int is_bf16,
-                   float *scratch, char *out) {
+                   float *scratch, char *out, float *lse) {
     const size_t esize = is_bf16 ? 2 : 4;
     float *qf = scratch, *acc = qf + (size_t)G * D, *row = acc + (size_t)G * D, *sc = row + D;
+    if (n == 0) {  /* an empty shard (DistAttention): output 0, weight exp(-inf) = 0 */
+        memset(acc, 0, sizeof(float) * (size_t)G * D);
+        store_row(out, 0, acc, G * D, is_bf16);
+        if (lse) for (int g = 0; g < G; g++) lse[g] = -INFINITY;
+        return;
+    }
     for (int i = 0; i < n; i++) vals[i] = keys[i] + kv_bytes;
     int done = 0;
 #ifdef HAVE_BF16_DOT
@@ -228,28 +238,29 @@ static void attend(const char *qb, int64_t q_sh, const char *const *keys, const 
         memset(row, 0, sizeof(float) * D);
         done = attend_bf16(G, q16, (const uint16_t *const *)keys, (const uint16_t *const *)vals,
                            (const uint16_t *)row, n, D, scale, sc, acc,
-                           (int32_t *)(sc + (size_t)G * n));
+                           (int32_t *)(sc + (size_t)G * n), lse);
     }
 #endif
     if (!done) {
         for (int g = 0; g < G; g++)
             load_row(qb + (size_t)g * q_sh * esize, 0, qf + (size_t)g * D, D, is_bf16);
         scores_f32(qf, keys, n, G, D, is_bf16, row, sc);
-        softmax(sc, n, G, scale, is_bf16);
+        softmax(sc, n, G, scale, is_bf16, lse);
         values_f32(sc, (const char *const *)vals, n, G, D, is_bf16, row, acc);
     }
     store_row(out, 0, acc, G * D, is_bf16);  /* the item's G heads sit side by side */
 }
 
 /* Strides are in elements. Row r of q belongs to sequence seq[r], whose page j (keys
- * [j T, (j + 1) T)) is tables[seq[r] * tables_stride + j]. out is contiguous [R, Hq, D].
+ * [j T, (j + 1) T)) is tables[seq[r] * tables_stride + j]. out is contiguous [R, Hq, D];
+ * lse, if not NULL, contiguous float32 [R, Hq] (each row's log-sum-exp of scaled scores).
  * Returns 0, or -1 if scratch memory could not be had. */
 int kvs_paged_attention(
     const void *q, int64_t q_sr, int64_t q_sh,
     const void *cache, int64_t s_page, int64_t s_kv, int64_t s_tok, int64_t s_head,
     const int32_t *tables, int64_t tables_stride, const int32_t *seq, const int32_t *lo,
     const int32_t *n_keys, int R, int Hq, int Hkv, int D, int T, float scale, int is_bf16,
-    void *out, int nthreads)
+    void *out, float *lse, int nthreads)
 {
     const int G = Hq / Hkv;
     const size_t esize = is_bf16 ? 2 : 4;
@@ -270,7 +281,8 @@ int kvs_paged_attention(
         }
         attend((const char *)q + ((size_t)r * q_sr + (size_t)h * G * q_sh) * esize, q_sh,
                keys, vals, s_kv * (int64_t)esize, n, G, D, scale, is_bf16, (float *)mem,
-               (char *)out + ((size_t)r * Hq + (size_t)h * G) * D * esize);
+               (char *)out + ((size_t)r * Hq + (size_t)h * G) * D * esize,
+               lse ? lse + (size_t)r * Hq + (size_t)h * G : NULL);
         free(mem);
     }
     return failed ? -1 : 0;
