@@ -40,6 +40,7 @@ from kvserve.cluster.instance import COLOCATED, DECODE, PREFILL, Instance, finis
 from kvserve.cluster.prompt_tree import block_hashes
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.request import CompletionOutput, InvalidRequest, RequestOutput
+from kvserve.models.dist_attention import RemoteKVLost
 from kvserve.server.engine_loop import EngineFailure, RequestGroup, Submission
 
 log = logging.getLogger("kvserve.cluster")
@@ -78,8 +79,11 @@ class InstanceLost(Exception):
 class Cluster:
     def __init__(self, scheduler: GlobalScheduler, design_name: str = "colocated", *,
                  heartbeat_s: float = 0.5, heartbeat_timeout_s: float = 10.0,
-                 retries: int = 3) -> None:
+                 retries: int = 3, dist_attention: bool = False) -> None:
+        """`dist_attention`: an instance whose pool is full lends running requests' KV to
+        the others (Infinite-LLM's DistAttention), so prompts longer than one pool run."""
         self.scheduler, self.design = scheduler, design(design_name)
+        self.dist_attention = dist_attention
         self.heartbeat_s, self.heartbeat_timeout_s, self.retries = (
             heartbeat_s, heartbeat_timeout_s, retries)
         self.engine: FrontModel | None = None
@@ -105,6 +109,7 @@ class Cluster:
         for m in members:
             self.scheduler.add(m)
         self._refresh_limits()
+        ray.get(self._share_peers())
         tok = ray.get(members[0].handle.tokenizer.remote())
         self.engine = FrontModel(tok, min(m.info.max_model_len for m in members),
                                  _Vocab(infos[0].vocab_size))
@@ -115,7 +120,15 @@ class Cluster:
         member = Member(await actor.info.remote(), actor)
         self.scheduler.add(member)
         self._refresh_limits()
+        await asyncio.gather(*self._share_peers())
         return member
+
+    def _share_peers(self) -> list[Any]:
+        """Tell every instance the others (DistAttention's creditors); their calls."""
+        if not self.dist_attention:
+            return []
+        peers = {m.name: m.handle for m in self.scheduler.members.values()}
+        return [m.handle.set_peers.remote(peers) for m in self.scheduler.members.values()]
 
     @staticmethod
     def _actor(spec: InstanceSpec) -> Any:
@@ -125,12 +138,25 @@ class Cluster:
             spec.name, spec.role, spec.build, spec.threads)
 
     def _refresh_limits(self) -> None:
-        self.max_prompt = min(m.info.max_prompt for m in self.scheduler.members.values())
+        members = list(self.scheduler.members.values())
+        if not members:
+            return
+        self.max_prompt = min(m.info.max_prompt for m in members)
+        if self.dist_attention:  # its own pool, and what every other instance lends
+            lend = sum(m.info.lend_tokens for m in members)
+            self.max_prompt = min(min(m.info.max_prompt + lend - m.info.lend_tokens
+                                      for m in members),
+                                  min(m.info.max_model_len for m in members) - 1)
 
     def remove(self, name: str, why: str) -> None:
         if self.scheduler.remove(name) is not None:
             log.warning("instance %s removed: %s", name, why)
             self.lost.append(name)
+            self._refresh_limits()
+            if self.dist_attention:  # what its requests lent elsewhere goes too
+                self._share_peers()
+                for m in self.scheduler.members.values():
+                    m.handle.drop_debtor.remote(name)
 
     # -------------------------------------------------- EngineLoop's interface
 
@@ -227,6 +253,8 @@ class Cluster:
                 except InstanceLost as e:
                     if not await self.check_all():
                         raise EngineFailure(f"{e} (but every instance answers)") from e
+                except RemoteKVLost:  # a creditor died: recompute, lending to survivors
+                    await self.check_all()
             group.put(EngineFailure(f"no instance could finish {sub.request_id} after "
                                     f"{self.retries} retries"))
         except asyncio.CancelledError:
@@ -352,8 +380,14 @@ class Cluster:
 
     async def beat(self) -> None:
         """One heartbeat round: load and KV events from every instance; the silent go."""
-        for hb in await self._poll_all(lambda m: m.handle.poll.remote()):
+        beats = await self._poll_all(lambda m: m.handle.poll.remote())
+        for hb in beats:
             self.scheduler.heartbeat(hb)
+        if self.dist_attention:  # the gManager's view: creditors with the most room first
+            order = [hb.name for hb in sorted(beats, key=lambda h: -h.lendable_bytes)
+                     if hb.lendable_bytes > 0]
+            for m in self.scheduler.members.values():
+                m.handle.set_creditors.remote(order)
         now = time.monotonic()
         for tree in self.scheduler.trees.values():
             tree.expire(now)
@@ -461,6 +495,8 @@ async def _call(m: Member, ref: Any) -> Any:
         cause = e.as_instanceof_cause()
         if isinstance(cause, InvalidRequest):
             raise InvalidRequest(str(e.cause)) from None
+        if isinstance(cause, RemoteKVLost):
+            raise RemoteKVLost(e.cause.req_id) from None
         raise
 
 

@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.cluster.distattn import Debtor, RayCreditor, ShardStore
 from kvserve.cluster.transfer import KVPayload, ObjectStoreTransport, export_kv, import_kv
-from kvserve.engine.engine import LLMEngine
+from kvserve.engine.engine import KV_LOST, LLMEngine
 from kvserve.engine.request import RequestOutput
 from kvserve.memory import KVCacheManager
+from kvserve.models.dist_attention import Partial, RemoteKVLost
 from kvserve.server.engine_loop import EngineLoop, EngineSnapshot, Submission
 
 PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
@@ -39,6 +41,7 @@ class InstanceInfo:
     model: str
     kv_bytes_per_token: float  # every spec's page bytes over its tokens: what a prefix moves
     max_prompt: int  # the longest prompt the pool can hold alone
+    lend_tokens: int = 0  # tokens of full-attention KV it lends others at most (DistAttention)
 
 
 @dataclass
@@ -54,6 +57,9 @@ class Heartbeat:
     gone: list[Hashable] = field(default_factory=list)  # left every tier
     sent_bytes: int = 0  # KV bytes exported / imported so far
     received_bytes: int = 0
+    lendable_bytes: int = 0  # DistAttention: room left for others' KV (0 while a debtor)
+    lent: dict[str, int] = field(default_factory=dict)  # request -> blocks held for others
+    lent_out_bytes: int = 0  # KV bytes its own requests lent to others so far
 
 
 class Instance:
@@ -73,13 +79,17 @@ class Instance:
         self._known: dict[str, set[Hashable]] = {}  # cached keys the last heartbeat told
         self._leases: dict[str, tuple[float, list[tuple[int, int]]]] = {}  # pins for senders
         self.sent_bytes = self.received_bytes = 0
+        self.shards = ShardStore(self.engine)  # DistAttention: others' KV lent to this one
+        self.peers: dict[str, RayCreditor] = {}
+        self.creditor_order: list[str] = []  # the front end's ranking, most room first
 
     def info(self) -> InstanceInfo:
         e = self.engine
         per_token = sum(e.kv.layout.page_bytes) / e.kv.T
+        full = sum(e.kv.layout.page_bytes[m.s] for m in e.kv.full_specs()) / e.kv.T
         return InstanceInfo(self.name, self.role, e.kv.T, e.max_model_len,
                             e.config.vocab_size, str(e.cfg.model or "gemma-3-270m"), per_token,
-                            self._max_prompt())
+                            self._max_prompt(), int(self.shards.limit / full) if full else 0)
 
     def _max_prompt(self) -> int:
         e = self.engine
@@ -95,6 +105,8 @@ class Instance:
                        ) -> AsyncIterator[RequestOutput]:
         group = await self.loop.add([sub], time.monotonic(), before)
         async for _, out in group.outputs():
+            if out.finished and out.outputs[0].stop_reason == KV_LOST:
+                raise RemoteKVLost(sub.request_id)  # the front end starts it again
             yield out
 
     async def prefill(self, sub: Submission, have: dict[str, set[int]] | None,
@@ -183,6 +195,41 @@ class Instance:
             self.received_bytes += payload.nbytes
         return n
 
+    # ---------------------------------------------------------- DistAttention
+
+    def set_peers(self, peers: dict[str, object], lend: bool = True) -> None:
+        """The other instances (Ray handles); with `lend`, a full pool lends running
+        requests' KV to them (Infinite-LLM) instead of preempting."""
+        self.peers = {n: RayCreditor(n, h) for n, h in peers.items() if n != self.name}
+        if lend and self.engine.lender is None:
+            self.engine.lend_with(Debtor(self.engine, self._creditors, self.name))
+
+    def set_creditors(self, order: list[str]) -> None:
+        self.creditor_order = order
+
+    def _creditors(self, num_blocks: int) -> list[RayCreditor]:
+        """Peers in the front end's order (most room first), then any it did not rank."""
+        ranked = [n for n in self.creditor_order if n in self.peers]
+        return [self.peers[n] for n in ranked + sorted(set(self.peers) - set(ranked))]
+
+    async def try_move_kvcache(self, req_id: str, num_blocks: int, debtor: str = "") -> bool:
+        return await self.loop.call(
+            lambda: self.shards.try_move_kvcache(req_id, num_blocks, debtor))
+
+    async def store_shard(self, req_id: str, data: dict) -> None:
+        await self.loop.call(lambda: self.shards.store(req_id, data))
+
+    def shard_attention(self, req_id: str, index: int, q: torch.Tensor) -> Partial:
+        """Beside the engine's steps: it reads only pages lent to this request."""
+        return self.shards.attend(req_id, index, q)
+
+    async def drop_shards(self, req_id: str) -> int:
+        return await self.loop.call(lambda: self.shards.drop(req_id))
+
+    async def drop_debtor(self, name: str) -> int:
+        """Instance `name` died: free every block its requests lent here."""
+        return await self.loop.call(lambda: self.shards.drop_debtor(name))
+
     # ------------------------------------------------------------ heartbeat
 
     async def poll(self) -> Heartbeat:
@@ -192,7 +239,9 @@ class Instance:
         self._expire_leases()
         e = self.engine
         hb = Heartbeat(self.name, len(e.scheduler.running), len(e.scheduler.waiting),
-                       sent_bytes=self.sent_bytes, received_bytes=self.received_bytes)
+                       sent_bytes=self.sent_bytes, received_bytes=self.received_bytes,
+                       lendable_bytes=self.shards.lendable_bytes(), lent=self.shards.entries(),
+                       lent_out_bytes=getattr(e.lender, "moved_bytes", 0))
         self._known = kv_events(hb, e.kv, self._known)
         return hb
 

@@ -23,9 +23,10 @@ from kvserve.engine.request import (
 )
 from kvserve.engine.runner import ModelRunner, attention_specs, check_kv_backend
 from kvserve.engine.sampler import Sampler
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler import Lender, Scheduler
 from kvserve.memory import KVCacheManager
 from kvserve.memory.manager import LoadRule
+from kvserve.models.dist_attention import RemoteKVLost
 from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.loader import open_model
 from kvserve.models.quant import resolve_quantization
@@ -36,6 +37,7 @@ from kvserve.physical.mempool import MemPool
 GiB = 1 << 30
 PromptInput = str | dict | Sequence[int]
 DEFAULT_IDLE_RELEASE_S = 60.0  # see check_idle_release
+KV_LOST = "kv-lost"  # stop_reason of a request whose lent KV died with another instance
 
 
 @dataclass
@@ -187,6 +189,7 @@ class LLMEngine:
                             pin=model.device.type == "cuda", path=cfg.host_kv_file)
         self.mempool = MemPool(self.kv, self.runner.pool, host) if self.runner.pool else None
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.lender: Lender | None = None
         self.sampler = Sampler()
         self.max_model_len = min(cfg.max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings)
@@ -275,7 +278,7 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens; this model takes at most "
                 f"{self.max_model_len - 1} so that one token can be generated"
             )
-        if not self.kv.fits_alone(len(ids) + 1, self.cfg.max_num_batched_tokens):
+        if not self._fits(len(ids) + 1):
             raise InvalidRequest(
                 f"the prompt of {len(ids)} tokens needs more KV memory than the pool's "
                 f"{self.kv.pool_bytes / 2**20:.0f} MiB"
@@ -286,6 +289,20 @@ class LLMEngine:
         self.scheduler.add(req)
         self.counters["prompt_tokens"] += len(ids)
         return req
+
+    def _fits(self, num_tokens: int) -> bool:
+        """Whether a request of num_tokens can run here alone. Lending KV (DistAttention),
+        only its current chunks need to: the rest of its full attention goes elsewhere."""
+        chunk = self.cfg.max_num_batched_tokens
+        if self.lender is not None:
+            num_tokens = min(num_tokens, 2 * chunk)
+        return self.kv.fits_alone(num_tokens, chunk)
+
+    def lend_with(self, lender: Lender | None) -> None:
+        """DistAttention (a cluster instance): a full pool lends running requests' KV
+        through `lender` instead of preempting them, and prompts longer than the pool
+        are taken."""
+        self.lender = self.scheduler.lender = self.runner.lender = lender
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -311,7 +328,11 @@ class LLMEngine:
             return outputs
         if self.mempool is not None:
             self.mempool.flush()  # evicted pages out to the host tier, host hits in
-        logits = self.runner.execute(batch)
+        try:
+            logits = self.runner.execute(batch)
+        except RemoteKVLost as e:
+            # Nothing of the step is committed: the others run it again next step.
+            return outputs + [self._kv_lost(e.req_id)]
         sampled = [s for s in batch if s.completes_prompt]
         tokens = self.sampler.sample(
             logits, [s.request.request_id for s in sampled], [s.request.params for s in sampled]
@@ -322,6 +343,13 @@ class LLMEngine:
             outputs.append(self._append_token(s.request, tok, now))
         self._copy_behind()
         return outputs
+
+    def _kv_lost(self, request_id: str) -> RequestOutput:
+        """Part of the request's KV died with another instance: it ends here, marked, so
+        its caller (the cluster front end) starts it again from what it streamed."""
+        req = self.requests[request_id]
+        req.finish_reason, req.stop_reason = "abort", KV_LOST
+        return self._retire(req)
 
     def _copy_behind(self) -> None:
         """Tier copies finished requests left: beside the next schedule while work

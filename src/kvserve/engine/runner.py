@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvserve.engine.scheduler import Scheduled
+from kvserve.engine.scheduler import Lender, Scheduled
 from kvserve.memory import KVCacheManager, KVSpec, LayerKind
 from kvserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from kvserve.models.paged_attention import LayerBinding, PagedAttention, SeqStep
@@ -64,6 +64,7 @@ class ModelRunner:
         """`kv_bytes`: the vtensor pool's physical ceiling (default: the memory core's pool)."""
         self.model = model
         self.kv = kv
+        self.lender: Lender | None = None  # DistAttention's debtor side, in a cluster
         self.kv_backend = check_kv_backend(kv_backend)
         self.attn: PagedAttention | VirtualAttention
         if kv_backend == "vtensor":
@@ -89,9 +90,7 @@ class ModelRunner:
             steps = [(s.start, s.num_new) for s in seqs]
         else:
             steps = [(s.start, s.num_tokens) for s in batch]
-            positions = self.attn.prepare([
-                SeqStep(s.start, s.num_tokens, self.kv.block_tables(s.request.request_id))
-                for s in batch])
+            positions = self.attn.prepare([self._seq_step(s) for s in batch])
         ids = [t for s, (start, n) in zip(batch, steps)
                for t in s.request.token_ids[start:start + n]]
         hidden = self.model(torch.tensor(ids, device=self.model.device),
@@ -104,6 +103,12 @@ class ModelRunner:
             if s.completes_prompt:
                 rows.append(ends - 1)
         return self.model.compute_logits(hidden[rows])
+
+    def _seq_step(self, s: Scheduled) -> SeqStep:
+        rid = s.request.request_id
+        lent = self.kv.lent(rid)  # DistAttention: leading full-attention KV lent out
+        remote = self.lender.remote(rid) if lent else None
+        return SeqStep(s.start, s.num_tokens, self.kv.block_tables(rid), lent, remote)
 
     def retain(self, running: Sequence[object]) -> None:
         """The scheduler's running requests after a schedule: vTensors of the rest go."""

@@ -13,9 +13,29 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvserve.engine.request import Request, Status
 from kvserve.memory import KVCacheManager
+from kvserve.models.dist_attention import RemoteKV
+
+
+class Lender(Protocol):
+    """DistAttention's debtor side (cluster/distattn.py): where a full pool lends
+    running requests' KV to other instances instead of preempting."""
+
+    def make_room(self, num_tokens: int) -> bool:
+        """Lend some running request's oldest full-attention blocks to other instances,
+        freeing pages here for about num_tokens; False if nothing could be lent."""
+        ...
+
+    def remote(self, req_id: str) -> RemoteKV:
+        """The request's lent KV, to attend over."""
+        ...
+
+    def forget(self, req_id: str) -> None:
+        """The request left (finished, aborted, preempted): its lent KV goes."""
+        ...
 
 
 @dataclass
@@ -39,6 +59,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_added = 0
+        self.lender: Lender | None = None
 
     def add(self, req: Request) -> None:
         req.seq = self.num_added
@@ -52,16 +73,25 @@ class Scheduler:
         """(this step's batch, requests that can never fit and must be failed)."""
         self.kv.begin_step()
         batch: list[Scheduled] = []
-        budget = self._schedule_running(batch, self.budget)
-        return batch, self._admit_waiting(batch, budget)
+        failed: list[Request] = []
+        budget = self._schedule_running(batch, self.budget, failed)
+        return batch, failed + self._admit_waiting(batch, budget)
 
-    def _schedule_running(self, batch: list[Scheduled], budget: int) -> int:
+    def _schedule_running(self, batch: list[Scheduled], budget: int,
+                          failed: list[Request]) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(len(req.token_ids) - req.num_computed, budget)
             while not self.kv.allocate_slots(req.request_id, n):
+                if self.lender is not None and self.lender.make_room(n):
+                    continue  # lent KV out instead of preempting
                 victim = self.running.pop()
+                if victim is req and not self.running and self.lender is not None:
+                    # Alone, and no instance takes more of its KV: it can never finish.
+                    self._release(req)
+                    failed.append(req)
+                    break
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -110,7 +140,7 @@ class Scheduler:
             s.request.num_computed += s.num_tokens
 
     def _preempt(self, req: Request) -> None:
-        self.kv.abort(req.request_id)
+        self._release(req)
         req.num_computed = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)
@@ -120,7 +150,12 @@ class Scheduler:
         """Release a request wherever it is (finished, aborted or failed)."""
         if req in self.running:
             self.running.remove(req)
-            self.kv.finish(req.request_id)
+            self._release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = Status.FINISHED
+
+    def _release(self, req: Request) -> None:
+        self.kv.finish(req.request_id)
+        if self.lender is not None:
+            self.lender.forget(req.request_id)

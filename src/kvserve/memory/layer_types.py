@@ -73,6 +73,9 @@ class RequestKV:
     # per spec: pages out of the window or checkpoints a reuse point needs, still
     # referenced by the request; freed at finish with the rest
     held: dict[int, list[int]] = field(default_factory=dict)
+    # DistAttention: leading tokens whose full-attention KV was lent to other instances
+    # (their table entries are NO_PAGE here); a multiple of the block size
+    lent: int = 0
 
 
 class ReusePoints:
@@ -392,6 +395,8 @@ class TextStream(SpecManager):
     def live_slots(self, r: RequestKV) -> list[tuple[object, int]]:
         T, n = self.T, r.num_alloc
         lo = self.window_start(r.num_computed)
+        if self.spec.kind is LayerKind.FULL:
+            lo = max(lo, r.lent)  # lent blocks live on other instances
         out: list[tuple[object, int]] = []
         for b in range(lo // T, -(-n // T)):
             slots = min(n, b * T + T) - max(lo, b * T)

@@ -23,6 +23,7 @@ from kvserve.memory.allocator import DEAD, OutOfPages, RequestId, TwoLevelAlloca
 from kvserve.memory.baselines import POLICIES, policy_layout
 from kvserve.memory.host_tier import Copier, HostStats, HostTier
 from kvserve.memory.layer_types import (
+    NO_PAGE,
     RequestKV,
     ReusePoints,
     SpecManager,
@@ -539,6 +540,46 @@ class KVCacheManager:
                 if self.host is not None and self.host.discard(m.s, h, self.now):
                     n += 1
         return n
+
+    # ------------------------------------------------------ DistAttention
+
+    def lendable_blocks(self, req_id: RequestId) -> int:
+        """Full-attention blocks of a request written here and not lent yet: what `lend`
+        can move. Specs without full attention (sliding windows, Mamba) never spread:
+        their KV is bounded, so it stays with the request."""
+        r = self._req(req_id)
+        if not self.full_specs():
+            return 0
+        return max(0, r.num_computed // self.T - r.lent // self.T)
+
+    def lend(self, req_id: RequestId, num_blocks: int) -> dict[str, list[int]]:
+        """Hand the request's next `num_blocks` full-attention blocks (after those lent
+        before) to another instance's memory: per full spec, the pages holding them.
+        Their slots here are let go now (cached ones stay evictable cache), so the caller
+        copies them out before anything else allocates."""
+        r = self._req(req_id)
+        if not 0 < num_blocks <= self.lendable_blocks(req_id):
+            raise ValueError(f"request {req_id!r}: cannot lend {num_blocks} blocks of "
+                             f"{self.lendable_blocks(req_id)} written and not lent")
+        first = r.lent // self.T
+        out = {}
+        for m in self.full_specs():
+            table = r.tables[m.s]
+            pages = table[first:first + num_blocks]
+            table[first:first + num_blocks] = [NO_PAGE] * num_blocks
+            r.released[m.s] = first + num_blocks
+            self.alloc.free(m.s, [p for p in reversed(pages) if p != NO_PAGE], self._key(r))
+            out[m.spec.name] = pages
+        r.lent += num_blocks * self.T
+        return out
+
+    def lent(self, req_id: RequestId) -> int:
+        """Leading tokens whose full-attention KV lives on other instances."""
+        return self._req(req_id).lent
+
+    def full_specs(self) -> list[SpecManager]:
+        return [m for m in self.managers
+                if isinstance(m, TextStream) and m.spec.kind is LayerKind.FULL]
 
     # ------------------------------------------------------------ model runner
 

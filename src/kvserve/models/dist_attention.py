@@ -11,11 +11,35 @@ merges to the same result. Merges compose: merging merged parts is merging all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 Partial = tuple[torch.Tensor, torch.Tensor]  # out [Q, Hq, D], lse [Q, Hq] float32
+
+
+class RemoteKVLost(Exception):
+    """A creditor holding part of a request's KV is gone: the request must start again
+    (its lost keys are recomputed, lent to the survivors)."""
+
+    def __init__(self, req_id: str, why: str = "") -> None:
+        super().__init__(f"KV of request {req_id!r} lent to another instance is lost"
+                         + (f": {why}" if why else ""))
+        self.req_id = req_id
+
+
+class RemoteKV(Protocol):
+    """A request's leading full-attention KV, held by other instances (Infinite-LLM's
+    creditors). Every remote key precedes every query the request still computes, so a
+    creditor needs no positions and no mask: only the query rows."""
+
+    def attend(self, index: int, q: torch.Tensor) -> Callable[[], list[Partial]]:
+        """Start attention of q [Q, Hq, D] over the remote blocks of full-attention layer
+        `index` (its place in the full spec); the returned call waits for the partials,
+        one per creditor. Starting every request's calls before the local attention lets
+        the creditors compute while this instance does."""
+        ...
 
 
 def empty_partial(q: torch.Tensor) -> Partial:

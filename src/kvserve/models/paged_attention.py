@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.cpu import kernels_for
+from kvserve.models.dist_attention import Partial, RemoteKV, merge, partial_attention
 from kvserve.physical.pool import KVPool
 
 
@@ -38,6 +39,10 @@ class SeqStep:
     start: int
     num_new: int
     tables: dict[str, list[int]]
+    # DistAttention: the first `lent` keys of full-attention layers live on other
+    # instances (`remote`); local full attention starts there and merges with theirs
+    lent: int = 0
+    remote: RemoteKV | None = None
 
 
 @dataclass
@@ -106,6 +111,10 @@ class PagedAttention:
         window), what each query reads.
         """
         self.seqs = list(seqs)
+        # Spread requests (DistAttention) and, per full-attention key, their local pages.
+        self.spread = [i for i, s in enumerate(self.seqs) if s.remote is not None]
+        self.spread_local = {key: {i: self._gather([self.seqs[i]], *key) for i in self.spread}
+                             for key in self._windows if key[1] == 0}
         pos = torch.cat([torch.arange(s.start, s.start + s.num_new) for s in seqs])
         self.writes = {spec: self._write_slots(spec, pos) for spec, _ in self._windows}
         if self.kernels:
@@ -173,7 +182,7 @@ class PagedAttention:
         rows = []
         for s in seqs:
             table = s.tables[spec][:-(-(s.start + s.num_new) // T)]
-            first = first_key(s.start, window)
+            first = first_key(s.start, window) if window else s.lent
             if min(table[first // T:]) < 0:
                 raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
             rows.append(table)
@@ -182,14 +191,17 @@ class PagedAttention:
         tables = torch.tensor([r + [0] * (P - len(r)) for r in rows], dtype=torch.int32)
         seq = torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32),
                                       torch.tensor([s.num_new for s in seqs]))
-        lo = (pos - window + 1).clamp_min(0) if window else torch.zeros_like(pos)
+        if window:
+            lo = (pos - window + 1).clamp_min(0)
+        else:  # full attention: from the first key held here
+            lo = torch.tensor([s.lent for s in seqs])[seq.long()]
         return (tables.clamp_min(0), seq, lo.int(), (pos + 1 - lo).int())
 
     def _gather(self, group: Sequence[SeqStep], spec: str, window: int) -> _Gather:
         """Gather whole pages (one index per page, not per token); the mask trims them."""
         T = self.T
         q_len = max(s.num_new for s in group)
-        firsts = [first_key(s.start, window) // T for s in group]
+        firsts = [(first_key(s.start, window) if window else s.lent) // T for s in group]
         lasts = [-(-(s.start + s.num_new) // T) for s in group]
         P = max(last - first for first, last in zip(firsts, lasts))
         rows = []
@@ -219,23 +231,57 @@ class PagedAttention:
         cache = self.pool.layer(b.spec, b.index)
         pages, offs = self.writes[b.spec]
         key = (b.spec, b.window)
+        spread = self.spread if not b.window else []
+        # Creditors start on their shards first, so they compute while this instance does.
+        waits = [(i, self.seqs[i].remote.attend(b.index, q[self._rows(i)])) for i in spread]
+        lse = torch.empty(q.shape[:2]) if spread and self.kernels else None
         if self.kernels:
             self.kernels.store_kv(cache, k, v, pages, offs)
-            dec = self.decode_index
-            if dec is None:  # no prefill chunk: every row to the kernel
-                return self.kernels.paged_attention(q, cache, *self.ranges[key], self.scale)
-            out = torch.empty_like(q)
-            if len(dec):
-                out[dec] = self.kernels.paged_attention(q[dec], cache, *self.ranges[key],
-                                                        self.scale)
-            return self._prefill_into(out, cache, q, key)
-        cache[pages, :, offs] = torch.stack((k, v), dim=1).to(cache.dtype)
+            out = self._kernel_attention(cache, q, key, lse)
+        else:
+            cache[pages, :, offs] = torch.stack((k, v), dim=1).to(cache.dtype)
+            out = self._torch_attention(cache, q, key)
+        for i, wait in waits:
+            rows = self._rows(i)
+            if lse is not None and self.seqs[i].num_new == 1:  # the kernel's own row
+                local = (out[rows], lse[rows])
+            else:
+                local = self._local_partial(cache, self.spread_local[key][i], q[rows])
+            out[rows] = merge([local, *wait()])[0]
+        return out
+
+    def _rows(self, i: int) -> slice:
+        return slice(self.row_start[i], self.row_start[i + 1])
+
+    def _kernel_attention(self, cache: torch.Tensor, q: torch.Tensor, key: tuple[str, int],
+                          lse: torch.Tensor | None) -> torch.Tensor:
+        """Decode rows through the kernel (log-sum-exp into `lse` [rows, Hq] if given),
+        prefill chunks through SDPA."""
+        dec = self.decode_index
+        if dec is None:  # no prefill chunk: every row to the kernel
+            return self.kernels.paged_attention(q, cache, *self.ranges[key], self.scale, lse)
+        out = torch.empty_like(q)
+        if len(dec):
+            part = None if lse is None else torch.empty((len(dec), q.shape[1]))
+            out[dec] = self.kernels.paged_attention(q[dec], cache, *self.ranges[key],
+                                                    self.scale, part)
+            if lse is not None:
+                lse[dec] = part
+        return self._prefill_into(out, cache, q, key)
+
+    def _torch_attention(self, cache: torch.Tensor, q: torch.Tensor,
+                         key: tuple[str, int]) -> torch.Tensor:
         if self.all_decode:  # rows are the sequences, in one group: no scatter needed
             return self._decode(cache, self.decode[key][0], q)
         out = torch.empty_like(q)
         for rows, g in zip(self.decode_groups, self.decode[key]):
             out[rows] = self._decode(cache, g, q[rows])
         return self._prefill_into(out, cache, q, key)
+
+    def _local_partial(self, cache: torch.Tensor, g: _Gather, q: torch.Tensor) -> Partial:
+        """A spread request's attention over the keys held here, with its log-sum-exp."""
+        keys, values = self._keys_values(cache, g, q.dtype)
+        return partial_attention(q, keys[0], values[0], self.scale, g.mask[0, 0])
 
     def _prefill_into(self, out: torch.Tensor, cache: torch.Tensor, q: torch.Tensor,
                       key: tuple[str, int]) -> torch.Tensor:
