@@ -82,3 +82,42 @@ def test_a_creditor_dying_mid_request_loses_nothing(ray_runtime, trio):
     hbs = beats(trio)
     assert all(hb.lent == {} for hb in hbs.values())
     assert all(s.used == 0 for s in stats(trio).values())
+
+
+def test_the_openai_endpoints_serve_a_prompt_beyond_one_pool(trio):
+    import httpx
+    import openai
+    from server_harness import serving
+
+    from kvserve.cluster.metrics import ClusterCollector
+    from kvserve.server.app import serve_app
+    from kvserve.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(ClusterCollector(trio))
+    trio.metrics = metrics
+    try:
+        with serving(serve_app(trio, metrics, "tiny")) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            stream = client.completions.create(model="tiny", prompt=LONG, max_tokens=8,
+                                               temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})
+            text = "".join(c.choices[0].text for c in stream if c.choices)
+            e = tiny_engine()
+            e.add_request("ref", {"prompt_token_ids": LONG}, greedy(8))
+            while e.has_unfinished():
+                for out in e.step():
+                    want = out.outputs[0].text
+            assert text == want
+            asyncio.run(trio.beat())  # the heartbeat carries what was lent
+            body = httpx.get(f"{url}/metrics").text
+            lent = [line for line in body.splitlines()
+                    if line.startswith("kvserve_distattn_lent_bytes_total{")]
+            assert len(lent) == len(trio.scheduler.members)
+            assert sum(float(line.split()[-1]) for line in lent) > 0
+            # Beyond what the cluster holds (and within the context length): refused.
+            assert trio.max_prompt + 1 < 511
+            too_long = httpx.post(f"{url}/v1/completions", json={
+                "prompt": (LONG * 2)[:trio.max_prompt + 1], "max_tokens": 2})
+            assert too_long.status_code == 400 and "KV memory" in too_long.text
+    finally:
+        trio.metrics = None

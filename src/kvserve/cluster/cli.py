@@ -1,6 +1,7 @@
 """`kvserve cluster serve`: N engine instances as Ray actors behind one OpenAI server.
 
     kvserve cluster serve --instances 2                  # colocated, prompt-tree routing
+    kvserve cluster serve --instances 3 --kv-memory 64M  # prompts beyond one pool: DistAttention
     kvserve cluster serve --prefill 1 --decode 1         # pd-caching-3 by default
     kvserve cluster serve --prefill 1 --decode 1 --design pd-basic --policy least-load
 
@@ -49,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "instances, at least 1)")
     p.add_argument("--prompt-tree-ttl", type=float, default=120.0,
                    help="seconds a prefix learnt from routing stays in the global prompt tree")
+    p.add_argument("--no-dist-attention", action="store_true",
+                   help="colocated instances: refuse prompts longer than one pool instead of "
+                        "spreading their full-attention KV over the others (Infinite-LLM)")
     p.add_argument("--no-kv-events", action="store_true",
                    help="approximate prompt trees only (learnt from routing, with the TTL); "
                         "by default the instances' KV events keep them exact")
@@ -95,8 +99,12 @@ def main(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching))
     ray.init(address=args.address, include_dashboard=False)
+    # DistAttention spreads a request over colocated instances; a disaggregated request
+    # moves its whole prompt's KV from P to D, which does not yet carry lent blocks.
+    spread = not args.no_dist_attention and not DESIGNS[design].disaggregated
     cluster = Cluster(GlobalScheduler(args.policy, ttl=args.prompt_tree_ttl,
-                                      events=not args.no_kv_events), design)
+                                      events=not args.no_kv_events), design,
+                      dist_attention=spread)
     try:
         cluster.launch([InstanceSpec(name, role, build, threads) for name, role in names])
         metrics = ServerMetrics(ClusterCollector(cluster))

@@ -41,6 +41,8 @@ class Member:
     waiting: int = 0
     sent_bytes: int = 0
     received_bytes: int = 0
+    lent_out_bytes: int = 0  # DistAttention: KV its requests lent to others so far
+    held_for_others: dict[str, int] = field(default_factory=dict)  # request -> blocks
 
     @property
     def name(self) -> str:
@@ -175,6 +177,7 @@ class GlobalScheduler:
             return
         m.running, m.waiting = hb.running, hb.waiting
         m.sent_bytes, m.received_bytes = hb.sent_bytes, hb.received_bytes
+        m.lent_out_bytes, m.held_for_others = hb.lent_out_bytes, hb.lent
         if not self.events:
             return
         tree = self.trees[m.info.role]

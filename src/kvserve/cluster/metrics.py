@@ -58,6 +58,18 @@ class ClusterCollector(Collector):
                 moved.add_sample("kvserve_kv_transfer_bytes_total",
                                  {"instance": m.name, "direction": way}, n)
         yield moved
+        lent = Metric("kvserve_distattn_lent_bytes",
+                      "KV bytes an instance's requests lent to other instances (DistAttention)",
+                      "counter")
+        held = Metric("kvserve_distattn_held_blocks",
+                      "Full-attention KV blocks an instance holds for others' requests", "gauge")
+        for m in members:
+            lent.add_sample("kvserve_distattn_lent_bytes_total", {"instance": m.name},
+                            m.lent_out_bytes)
+            held.add_sample("kvserve_distattn_held_blocks", {"instance": m.name},
+                            sum(m.held_for_others.values()))
+        yield lent
+        yield held
         lost = Metric("kvserve_cluster_instances_lost", "Instances removed after failing",
                       "counter")
         lost.add_sample("kvserve_cluster_instances_lost_total", {}, len(self.cluster.lost))
