@@ -11,7 +11,8 @@ designs   ShareGPT multi-turn sessions: PD-Caching-3 against PD-Basic on the sam
           TTFT mean -58%, P99 -45%). --colocated adds N colocated instances.
 routing   LooGLE-like document sessions, each run twice (share ratio 2):
           prompt-tree against session-ID routing (the paper's Fig. 15, 3P1D: P99
-          TTFT -59%) under PD-Caching-3, least-load alongside.
+          TTFT -59%) under PD-Caching-3; prompt trees learnt from routing (the
+          paper's) and also fed KV events (+events), least-load alongside.
 
 `{rate}` in --trace takes each of --rates (sessions started per second) in turn.
 Every run is the real GlobalScheduler and memory core per instance on H100
@@ -43,26 +44,42 @@ PAPER = {
                 "p99_ttft_s": -0.45},
     "routing": {"p99_ttft_s": -0.59},
 }
-# (baseline, contender, others): (design, routing) each
+# (baseline, contender, others): (design, routing, heartbeat s) each; a heartbeat feeds
+# the prompt trees the instances' KV events (the real front end's default, every 0.5 s),
+# without one they learn from routing alone with a TTL (the paper's global scheduler)
 VARIANTS = {
-    "designs": [("pd-basic", "prompt-tree"), ("pd-caching-3", "prompt-tree")],
-    "routing": [("pd-caching-3", "session"), ("pd-caching-3", "prompt-tree"),
-                ("pd-caching-3", "least-load")],
+    "designs": [("pd-basic", "prompt-tree", 0.0), ("pd-caching-3", "prompt-tree", 0.0)],
+    "routing": [("pd-caching-3", "session", 0.0), ("pd-caching-3", "prompt-tree", 0.0),
+                ("pd-caching-3", "prompt-tree", 0.5), ("pd-caching-3", "least-load", 0.0)],
 }
+PAPER_PAIR = {"designs": "1P2D-CC against 1P2D (ShareGPT)",
+              "routing": "prompt-tree against session-ID (LooGLE, 3P1D)"}
 METRICS = ("mean_jct_s", "p99_jct_s", "mean_ttft_s", "p99_ttft_s")
 
 
-def run(args: argparse.Namespace, design: str, routing: str, trace: list) -> dict:
+def run(args: argparse.Namespace, design: str, routing: str, heartbeat: float,
+        trace: list) -> dict:
     inst = SimConfig(get_model(args.model), get_gpu("h100"), max_model_len=MAX_MODEL_LEN,
                      mem_every=0)
     prefill = 0 if design == "colocated" else args.prefill
     cfg = ClusterConfig(inst, instances=args.gpus, prefill=prefill, design=design,
-                        routing=routing, network=NetworkConfig(args.network_gbps * GBIT))
+                        routing=routing, network=NetworkConfig(args.network_gbps * GBIT),
+                        heartbeat_s=heartbeat)
     t0 = time.perf_counter()
     s = summary(simulate_cluster(trace, cfg))
-    s["wall_s"] = time.perf_counter() - t0
-    print(f"  {design} {routing}: {s['wall_s']:.0f} s", flush=True)
+    s["wall_s"], s["heartbeat_s"] = time.perf_counter() - t0, heartbeat
+    print(f"  {label(s)}: {s['wall_s']:.0f} s", flush=True)
     return s
+
+
+def label(s: dict) -> str:
+    """design / routing, +events where KV events fed the prompt trees."""
+    events = "+events" if s.get("heartbeat_s") else ""
+    return f"{s['design']} / {s['routing']}{events}"
+
+
+def variant(s: dict) -> tuple[str, str, float]:
+    return s["design"], s["routing"], s.get("heartbeat_s", 0.0)
 
 
 def busy(s: dict, role: str) -> float:
@@ -77,34 +94,39 @@ def shape(s: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| rate | design | instances | routing | JCT mean | JCT p99 | TTFT mean | TTFT p99 "
-            "| prefix hits | KV moved | P busy | req/s |")
+    head = ("| rate | design / routing | instances | JCT mean | JCT p99 | TTFT mean | TTFT p99 "
+            "| prefix hits | D hits | KV moved | P busy | req/s |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in rows:
         p_busy = busy(s, "prefill") or busy(s, "colocated")
+        d_hits = f"{s['decode_hit_rate']:.1%}" if "decode" in s["instances"] else "—"
         out.append(
-            f"| {s['rate']} | {s['design']} | {shape(s)} | {s['routing']} "
+            f"| {s['rate']} | {label(s)} | {shape(s)} "
             f"| {s['mean_jct_s']:.2f} s | {s['p99_jct_s']:.2f} s "
             f"| {s['mean_ttft_s'] * 1e3:.0f} ms | {s['p99_ttft_s'] * 1e3:.0f} ms "
-            f"| {s['hit_rate']:.1%} | {s['bytes'] / 1e9:.0f} GB | {p_busy:.0%} "
+            f"| {s['hit_rate']:.1%} | {d_hits} | {s['bytes'] / 1e9:.0f} GB "
+            f"| {p_busy:.0%} "
             f"| {s['finished'] / s['sim_seconds']:.1f} |")
     return "\n".join(out)
 
 
 def changes(kind: str, rows: list[dict]) -> str:
-    """Per rate, the contender against the baseline, next to the paper."""
-    base_v, new_v = VARIANTS[kind][0], VARIANTS[kind][1]
-    head = "| rate | " + " | ".join(m.replace("_s", "").replace("_", " ") for m in METRICS) + " |"
-    out = [f"{new_v[0]} / {new_v[1]} against {base_v[0]} / {base_v[1]}:", "", head,
-           "|" + "---|" * (head.count("|") - 1)]
+    """Per rate, every other run against the first (the baseline), next to the paper."""
+    head = ("| rate | change of | " + " | ".join(m.replace("_s", "").replace("_", " ")
+                                               for m in METRICS) + " |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    base_v = VARIANTS[kind][0]
     for rate in dict.fromkeys(s["rate"] for s in rows):
-        at = {(s["design"], s["routing"]): s for s in rows if s["rate"] == rate}
-        base, new = at[base_v], at[new_v]
-        out.append(f"| {rate} | " + " | ".join(
-            f"{new[m] / base[m] - 1:+.0%}" if base[m] else "n/a" for m in METRICS) + " |")
+        at = [s for s in rows if s["rate"] == rate]
+        base = next(s for s in at if variant(s) == base_v)
+        for new in at:
+            if new is not base:
+                out.append(f"| {rate} | {label(new)} against {label(base)} | " + " | ".join(
+                    f"{new[m] / base[m] - 1:+.0%}" if base[m] else "n/a" for m in METRICS)
+                    + " |")
     paper = PAPER[kind]
-    out.append("| paper | " + " | ".join(f"{paper[m]:+.0%}" if m in paper else ""
-                                         for m in METRICS) + " |")
+    out.append(f"| paper | {PAPER_PAIR[kind]} | " + " | ".join(
+        f"{paper[m]:+.0%}" if m in paper else "" for m in METRICS) + " |")
     return "\n".join(out)
 
 
@@ -115,16 +137,13 @@ def plot(kind: str, rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 3.4))
-    for design, routing in VARIANTS[kind]:
-        mine = [s for s in rows if (s["design"], s["routing"]) == (design, routing)]
-        if not mine:
-            continue
-        rates = [s["finished"] / s["sim_seconds"] for s in mine]
+    for v in dict.fromkeys(variant(s) for s in rows):
+        mine = [s for s in rows if variant(s) == v]
         for ax, m in zip(axes, METRICS):
-            ax.plot(rates, [s[m] for s in mine], marker="o",
-                    label=design if kind == "designs" else routing)
+            ax.plot([float(s["rate"]) for s in mine], [s[m] for s in mine], marker="o",
+                    label=label(mine[0]))
     for ax, m in zip(axes, METRICS):
-        ax.set_xlabel("requests/s (whole run)")
+        ax.set_xlabel("sessions started per second")
         ax.set_ylabel(m.replace("_s", " (s)").replace("_", " "))
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
@@ -149,22 +168,27 @@ def main() -> None:
     ap.add_argument("--network-gbps", type=float, default=200.0)
     ap.add_argument("--json", dest="json_out", help="write every run's summary here")
     ap.add_argument("--plot", help="write a PNG of the metrics against the load here")
+    ap.add_argument("--from-json", help="print and plot the runs saved by --json, run nothing")
     args = ap.parse_args()
-    variants = VARIANTS[args.kind] + ([("colocated", "prompt-tree")] if args.colocated else [])
+    variants = VARIANTS[args.kind] + ([("colocated", "prompt-tree", 0.0)] if args.colocated
+                                      else [])
     rows = []
-    for rate in args.rates.split(","):
+    if args.from_json:
+        with open(args.from_json) as f:
+            rows = json.load(f)
+    for rate in [] if args.from_json else args.rates.split(","):
         spec = args.trace.replace("{rate}", rate)
         print(f"{args.kind}: {args.model}, {args.gpus} H100s, {spec}", flush=True)
         trace = load_trace(spec)
-        for design, routing in variants:
-            s = run(args, design, routing, trace)
+        for design, routing, heartbeat in variants:
+            s = run(args, design, routing, heartbeat, trace)
             s["rate"], s["trace"] = rate, spec
             rows.append(s)
+            if args.json_out:  # after every run: a long sweep cut short keeps its runs
+                with open(args.json_out, "w") as f:
+                    json.dump(rows, f, indent=1)
     title = f"{args.model}, {args.gpus} simulated H100s, {args.trace}"
     print(f"\n{title}\n\n{table(rows)}\n\n{changes(args.kind, rows)}\n", flush=True)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(rows, f, indent=1)
     if args.plot:
         plot(args.kind, rows, args.plot, title)
 
