@@ -77,8 +77,8 @@ def test_spread_over_two_creditors_when_one_is_full():
     handles = [LocalCreditor(f"c{i}", s) for i, s in enumerate(stores)]
     took = {h.name: 0 for h in handles}
     for h in handles:
-        def counted(req, n, h=h, take=h.try_move_kvcache):
-            ok = take(req, n)
+        def counted(req, n, debtor="", h=h, take=h.try_move_kvcache):
+            ok = take(req, n, debtor)
             took[h.name] += n if ok else 0
             return ok
         h.try_move_kvcache = counted

@@ -54,7 +54,18 @@ def test_one_pool_refuses_what_the_cluster_serves(ray_runtime, trio):
     finally:
         alone.shutdown()
     assert trio.max_prompt > len(LONG) > alone.max_prompt
-    out = asyncio.run(collect(trio, LONG, 12, "long"))[-1]
+    seen = {}
+
+    async def look(out):  # mid-request: the gManager's placement map from heartbeats
+        if len(out.outputs[0].token_ids) == 2:
+            await trio.beat()
+            seen.update(placement=trio.gmanager.placement("long"),
+                        debtor=trio.gmanager.debtor("long"),
+                        serving=[m.name for m in trio.scheduler.members.values() if m.pending])
+    out = asyncio.run(collect(trio, LONG, 12, "long", look))[-1]
+    # Its KV sat on its own instance (the debtor) and at least one other.
+    assert seen["debtor"] == seen["serving"][0] and len(seen["placement"]) >= 2
+    assert sum(seen["placement"].values()) >= len(LONG) // 4 - 1
     assert out.outputs[0].token_ids == reference(LONG, 12)
     hbs = beats(trio)
     assert sum(hb.lent_out_bytes for hb in hbs.values()) > 0  # its KV was spread

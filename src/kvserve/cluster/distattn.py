@@ -230,14 +230,22 @@ class Debtor:
         if req is None or not kv.lendable_blocks(req):
             return False
         n = min(kv.lendable_blocks(req), max(MIN_LEND_BLOCKS, -(-num_tokens // kv.T) + 1))
-        for creditor in self.creditors(n):
-            if creditor.try_move_kvcache(req, n, self.name):
-                try:
-                    self._move(req, n, creditor)
-                except ray.exceptions.RayError:  # died since: nothing changed here
-                    continue
-                return True
-        return False
+        return any(self.move(req, n, creditor) for creditor in self.creditors(n))
+
+    def move(self, req: str, num_blocks: int, creditor: Creditor) -> bool:
+        """Lend up to num_blocks of req's written, not yet lent blocks to creditor, if it
+        reserves them (move_kvcache / try_move_kvcache of the paper's protocol)."""
+        kv = self.engine.kv
+        if req not in kv.reqs:
+            return False
+        n = min(num_blocks, kv.lendable_blocks(req))
+        if n <= 0 or not creditor.try_move_kvcache(req, n, self.name):
+            return False
+        try:
+            self._move(req, n, creditor)
+        except ray.exceptions.RayError:  # died since: nothing changed here
+            return False
+        return True
 
     def _move(self, req: str, n: int, creditor: Creditor) -> None:
         """Copy the blocks' rows, hand them over, then let them go here."""

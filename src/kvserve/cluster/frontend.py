@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,15 @@ import ray.exceptions as rex
 
 from kvserve.cluster.disagg import Design, design
 from kvserve.cluster.global_scheduler import GlobalScheduler, Member
-from kvserve.cluster.instance import COLOCATED, DECODE, PREFILL, Instance, finished_early
+from kvserve.cluster.instance import (
+    COLOCATED,
+    DECODE,
+    PREFILL,
+    Heartbeat,
+    Instance,
+    finished_early,
+)
+from kvserve.cluster.placement import GManager, PerfModel
 from kvserve.cluster.prompt_tree import block_hashes
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.request import CompletionOutput, InvalidRequest, RequestOutput
@@ -45,6 +54,10 @@ from kvserve.server.engine_loop import EngineFailure, RequestGroup, Submission
 
 log = logging.getLogger("kvserve.cluster")
 # what a call raises when its instance is gone (killed, crashed, its node lost)
+# Algorithm 1's thresholds: instances running at most BETA_THRES requests may borrow,
+# those at most UTIL_THRES full may lend (and are never filled past it).
+BETA_THRES, UTIL_THRES = 4, 0.8
+MIN_SAMPLES = 16  # decode steps before the performance model is fitted
 LOST = (rex.RayActorError, rex.ActorUnavailableError, rex.OwnerDiedError, rex.ObjectLostError)
 
 
@@ -84,6 +97,11 @@ class Cluster:
         the others (Infinite-LLM's DistAttention), so prompts longer than one pool run."""
         self.scheduler, self.design = scheduler, design(design_name)
         self.dist_attention = dist_attention
+        # Infinite-LLM's gManager: the placement map from the instances' heartbeats, and
+        # Algorithm 1 once their decode steps have fitted the performance model.
+        self.gmanager = GManager(PerfModel(1, 0.0, 0.0, 0.0), BETA_THRES, UTIL_THRES)
+        self.step_samples: deque[tuple[int, int, float]] = deque(maxlen=1024)
+        self.fitted = False
         self.heartbeat_s, self.heartbeat_timeout_s, self.retries = (
             heartbeat_s, heartbeat_timeout_s, retries)
         self.engine: FrontModel | None = None
@@ -153,6 +171,7 @@ class Cluster:
             log.warning("instance %s removed: %s", name, why)
             self.lost.append(name)
             self._refresh_limits()
+            self.gmanager.drop_instance(name)
             if self.dist_attention:  # what its requests lent elsewhere goes too
                 self._share_peers()
                 for m in self.scheduler.members.values():
@@ -383,14 +402,42 @@ class Cluster:
         beats = await self._poll_all(lambda m: m.handle.poll.remote())
         for hb in beats:
             self.scheduler.heartbeat(hb)
-        if self.dist_attention:  # the gManager's view: creditors with the most room first
-            order = [hb.name for hb in sorted(beats, key=lambda h: -h.lendable_bytes)
-                     if hb.lendable_bytes > 0]
-            for m in self.scheduler.members.values():
-                m.handle.set_creditors.remote(order)
+        if self.dist_attention:
+            self._place(beats)
         now = time.monotonic()
         for tree in self.scheduler.trees.values():
             tree.expire(now)
+
+    def _place(self, beats: list[Heartbeat]) -> None:
+        """One gManager round: the instances' entries into the placement map, each
+        instance told its creditors (most free first, never a debtor), and Algorithm 1's
+        moves sent to their debtors (move_kvcache; a stale one is refused there)."""
+        gm, members = self.gmanager, self.scheduler.members
+        for hb in beats:
+            if hb.load is not None:
+                gm.heartbeat(hb.load, hb.entries)
+            self.step_samples.extend(hb.samples)
+        for m in members.values():
+            m.handle.set_creditors.remote(gm.creditors(m.name, 1))
+        if self._fit():
+            for mv in gm.plan():
+                if mv.src in members and mv.dst in members:
+                    members[mv.src].handle.move_kvcache.remote(mv.req_id, mv.num_blocks,
+                                                               mv.dst)
+
+    def _fit(self) -> bool:
+        """Eq. 5 fitted on the instances' own decode steps (batch, blocks, seconds), once
+        they vary enough to determine it."""
+        samples = list(self.step_samples)
+        if len(samples) < MIN_SAMPLES or len({(b, k) for b, k, _ in samples}) < 3:
+            return self.fitted
+        try:
+            perf = PerfModel.fit(samples, n_layers=1)
+        except ValueError:
+            return self.fitted
+        if perf.per_block_s > 0 and perf.fixed_s + perf.per_seq_s > 0:
+            self.gmanager.perf, self.fitted = perf, True
+        return self.fitted
 
     async def check_all(self) -> list[str]:
         """Ping every instance (a call failed: which one died?); returns those removed."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.cluster.distattn import Debtor, RayCreditor, ShardStore
+from kvserve.cluster.placement import InstanceLoad, RequestPlacementEntry
 from kvserve.cluster.transfer import KVPayload, ObjectStoreTransport, export_kv, import_kv
 from kvserve.engine.engine import KV_LOST, LLMEngine
 from kvserve.engine.request import RequestOutput
@@ -60,6 +61,11 @@ class Heartbeat:
     lendable_bytes: int = 0  # DistAttention: room left for others' KV (0 while a debtor)
     lent: dict[str, int] = field(default_factory=dict)  # request -> blocks held for others
     lent_out_bytes: int = 0  # KV bytes its own requests lent to others so far
+    # Infinite-LLM's rManager report: load in full-attention blocks, the placement entries
+    # changed since the last heartbeat, and new decode-step samples for the perf model
+    load: InstanceLoad | None = None
+    entries: list[RequestPlacementEntry] = field(default_factory=list)
+    samples: list[tuple[int, int, float]] = field(default_factory=list)
 
 
 class Instance:
@@ -82,6 +88,7 @@ class Instance:
         self.shards = ShardStore(self.engine)  # DistAttention: others' KV lent to this one
         self.peers: dict[str, RayCreditor] = {}
         self.creditor_order: list[str] = []  # the front end's ranking, most room first
+        self._placed: dict[str, tuple[int, bool]] = {}  # entries the last heartbeat told
 
     def info(self) -> InstanceInfo:
         e = self.engine
@@ -212,6 +219,14 @@ class Instance:
         ranked = [n for n in self.creditor_order if n in self.peers]
         return [self.peers[n] for n in ranked + sorted(set(self.peers) - set(ranked))]
 
+    async def move_kvcache(self, req_id: str, num_blocks: int, dst: str) -> bool:
+        """The gManager's instruction: lend num_blocks more of a request's KV to dst (it
+        may refuse: the map it planned on was stale)."""
+        lender = self.engine.lender
+        if not isinstance(lender, Debtor) or dst not in self.peers:
+            return False
+        return await self.loop.call(lambda: lender.move(req_id, num_blocks, self.peers[dst]))
+
     async def try_move_kvcache(self, req_id: str, num_blocks: int, debtor: str = "") -> bool:
         return await self.loop.call(
             lambda: self.shards.try_move_kvcache(req_id, num_blocks, debtor))
@@ -243,7 +258,28 @@ class Instance:
                        lendable_bytes=self.shards.lendable_bytes(), lent=self.shards.entries(),
                        lent_out_bytes=getattr(e.lender, "moved_bytes", 0))
         self._known = kv_events(hb, e.kv, self._known)
+        self._report_placement(hb)
         return hb
+
+    def _report_placement(self, hb: Heartbeat) -> None:
+        """The rManager's heartbeat: load and changed entries in full-attention blocks."""
+        kv = self.engine.kv
+        block = sum(kv.layout.page_bytes[m.s] for m in kv.full_specs())
+        if not block:
+            return
+        hb.load = InstanceLoad(self.name, len(self.engine.scheduler.running),
+                               (kv.pool_bytes - kv.stats().used) // block,
+                               kv.pool_bytes // block, len(self.engine.scheduler.waiting))
+        now = {r.request_id: (kv.lendable_blocks(r.request_id), True)
+               for r in self.engine.scheduler.running}
+        now.update({r: (n, False) for r, n in self.shards.entries().items()})
+        hb.entries = [RequestPlacementEntry(r, self.name, n, local)
+                      for r, (n, local) in now.items() if self._placed.get(r) != (n, local)]
+        hb.entries += [RequestPlacementEntry(r, self.name, 0, local)
+                       for r, (_, local) in self._placed.items() if r not in now]
+        self._placed = now
+        hb.samples = list(self.engine.step_samples)  # each reported once
+        self.engine.step_samples.clear()
 
     async def snapshot(self) -> EngineSnapshot:
         return await self.loop.snapshot()

@@ -6,6 +6,7 @@ import math
 import os
 import time
 import warnings
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -197,6 +198,9 @@ class LLMEngine:
         self._detok: dict[str, DetokState] = {}
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
         self._next_release = 0.0  # monotonic time of the next idle-memory check
+        # Decode-only steps: (batch, full-attention blocks held here, seconds), what
+        # Infinite-LLM's performance model (cluster/placement.py, Eq. 5) is fitted on.
+        self.step_samples: deque[tuple[int, int, float]] = deque(maxlen=256)
 
     @staticmethod
     def _load_rule(cfg: EngineConfig, device: torch.device) -> LoadRule | None:
@@ -328,6 +332,7 @@ class LLMEngine:
             return outputs
         if self.mempool is not None:
             self.mempool.flush()  # evicted pages out to the host tier, host hits in
+        start = time.perf_counter()
         try:
             logits = self.runner.execute(batch)
         except RemoteKVLost as e:
@@ -337,6 +342,9 @@ class LLMEngine:
         tokens = self.sampler.sample(
             logits, [s.request.request_id for s in sampled], [s.request.params for s in sampled]
         )
+        if all(s.num_tokens == 1 for s in batch):
+            blocks = sum(self.kv.lendable_blocks(s.request.request_id) for s in batch)
+            self.step_samples.append((len(batch), blocks, time.perf_counter() - start))
         self.scheduler.commit(batch)
         now = time.monotonic()
         for s, tok in zip(sampled, tokens):
