@@ -113,7 +113,9 @@ class PagedAttention:
         self.seqs = list(seqs)
         # Spread requests (DistAttention) and, per full-attention key, their local pages.
         self.spread = [i for i, s in enumerate(self.seqs) if s.remote is not None]
-        self.spread_local = {key: {i: self._gather([self.seqs[i]], *key) for i in self.spread}
+        # (the kernel's decode rows bring their own log-sum-exp: no gather for those)
+        gathered = [i for i in self.spread if not self.kernels or self.seqs[i].num_new > 1]
+        self.spread_local = {key: {i: self._gather([self.seqs[i]], *key) for i in gathered}
                              for key in self._windows if key[1] == 0}
         pos = torch.cat([torch.arange(s.start, s.start + s.num_new) for s in seqs])
         self.writes = {spec: self._write_slots(spec, pos) for spec, _ in self._windows}
