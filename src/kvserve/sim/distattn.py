@@ -75,14 +75,15 @@ class DistConfig:
     beta_thres: int = 64
     util_thres: float = 0.7
     move_blocks: int = 1024  # a forced move takes at least this many blocks
+    stall_limit_s: float = 120.0  # an instance that cannot step this long drops its request
     rtt_s: float = 30e-6  # query out, partial result (two floats per head) back
     network: NetworkConfig = field(default_factory=NetworkConfig)  # across nodes
     nvlink: float = NVLINK  # within a node: moves and TP all-reduces
-    # One NCCL all-reduce of a decode-sized message over 8 NVLinked GPUs. 19 us makes a
-    # TP-8 instance's non-attention throughput per GPU a third of one GPU's at batch
-    # 256 (Llama 3.1 8B), as Infinite-LLM's Fig. 1(c) measured; nccl-tests report
-    # ~20 us at small sizes. The roofline alone has no such loss.
-    allreduce_latency_s: float = 19e-6
+    # One NCCL all-reduce's fixed cost over 8 NVLinked GPUs (the ring's bytes come on
+    # top). 11 us makes a TP-8 instance's non-attention throughput per GPU a third of
+    # one GPU's at batch 256 (Llama 3.1 8B), as Infinite-LLM's Fig. 1(c) measured;
+    # nccl-tests report 10-20 us at small sizes. The roofline alone has no such loss.
+    allreduce_latency_s: float = 11e-6
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -191,12 +192,14 @@ class Inst:
     running: list[Req] = field(default_factory=list)
     waiting: deque[Req] = field(default_factory=deque)
     hosted: dict[str, int] = field(default_factory=dict)  # req -> blocks held for it
+    reserved: int = 0  # blocks of moves on their way here (try_move_kvcache said yes)
     pending_bytes: float = 0.0  # attention over hosted blocks since its last step
     pending_flops: float = 0.0
     clock: float = 0.0
     reported: dict[str, tuple[int, bool]] = field(default_factory=dict)  # gManager's view
     steps: int = 0
     busy_s: float = 0.0
+    stalled_since: float | None = None
 
     @property
     def free(self) -> int:
@@ -346,6 +349,9 @@ class DistSim:
     def _arrive(self, r: Req, now: float) -> None:
         full, state = self._need(r.length)
         largest = max(i.total for i in self.insts)
+        if state + 1 > largest:
+            r.rejected = f"its bounded state ({state} blocks) fills a whole pool"
+            return
         if self.cfg.mode != "infinite" and full + state > largest:
             r.rejected = f"{r.length} tokens need {full + state} blocks > the pool's {largest}"
             return
@@ -377,6 +383,7 @@ class DistSim:
         if not batch:
             self._stall(inst)
             return
+        inst.stalled_since = None
         tokens = sum(n for _, n in batch)
         sampled = [r for r, n in batch if r.computed + n >= r.prompt]
         nbytes, flops = inst.pending_bytes, inst.pending_flops
@@ -397,9 +404,12 @@ class DistSim:
     def _stall(self, inst: Inst) -> None:
         """Nothing can run now (waiting on memory or moves): sleep until the next event or
         another instance's step (either may free memory)."""
+        if inst.stalled_since is None:
+            inst.stalled_since = inst.clock
         times = [t for t, _, _ in self._events[:1]]
         times += [i.clock for i in self.insts if i is not inst and i.busy]
-        if not times:
+        if not times or inst.clock - inst.stalled_since > self.cfg.stall_limit_s:
+            inst.stalled_since = None
             return self._starved(inst)
         later = [t for t in times if t > inst.clock]
         inst.clock = min(later) if later else inst.clock + 1e-4
@@ -589,6 +599,7 @@ class DistSim:
             self.res.refused_moves += 1
             return False
         d.used += n
+        d.reserved += n
         r.in_flight += n
         net = self.intra if s.node == d.node else self.inter
         landed = net.send("move", src, dst, n * self.block_bytes, now)
@@ -600,6 +611,7 @@ class DistSim:
     def _landed(self, r: Req, src: str, dst: str, n: int, epoch: int, now: float) -> None:
         d = self.by_name[dst]
         r.in_flight -= n
+        d.reserved -= n
         gone = r.finish is not None or r.preempted != epoch or r.blocks.get(src, 0) < n
         if gone:  # the request finished or restarted meanwhile: drop the reservation
             d.used -= n
@@ -650,6 +662,24 @@ class DistSim:
                 for rid, (_, local) in inst.reported.items() if rid not in now]
         inst.reported = {rid: v for rid, v in now.items() if v[0] > 0}
         return out
+
+
+def check(sim: DistSim) -> None:
+    """The block accounting adds up: every instance's used blocks are its own requests'
+    blocks and state, the blocks it hosts for others and the moves coming in."""
+    own: dict[str, int] = {i.name: i.reserved for i in sim.insts}
+    hosted: dict[str, dict[str, int]] = {i.name: {} for i in sim.insts}
+    for r in sim.reqs:
+        if r.home and (r.blocks or r.state):
+            own[r.home] += r.state
+        for name, n in r.blocks.items():
+            own[name] += n
+            if name != r.home:
+                hosted[name][r.id] = n
+    for i in sim.insts:
+        assert i.used == own[i.name], (i.name, i.used, own[i.name])
+        assert i.hosted == hosted[i.name], (i.name, i.hosted, hosted[i.name])
+        assert 0 <= i.used <= i.total, (i.name, i.used, i.total)
 
 
 def simulate_dist(trace: list[TraceRequest], cfg: DistConfig) -> DistResult:
