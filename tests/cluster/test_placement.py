@@ -175,3 +175,16 @@ def test_drop_instance_returns_exactly_the_affected_requests(rs, dead):
         left = {i: n for i, n in want.get(req, {}).items() if i != dead}
         assert g.placement(req) == left
     assert g.load(dead) is None and dead not in g.creditors("i0", 1)
+
+
+@given(reports, loads)
+def test_retrieve_only_brings_blocks_home_from_full_creditors(rs, specs):
+    g = _replay(rs, specs)
+    room: dict[str, int] = {}
+    for m in g.retrieve():
+        assert m.dst == g.debtor(m.req_id) != m.src and m.num_blocks > 0
+        assert m.num_blocks <= g.placement(m.req_id)[m.src]
+        assert g.load(m.src).util > (1 + g.util_thres) / 2  # the creditor needs it
+        ld = g.load(m.dst)
+        room[m.dst] = room.get(m.dst, 0) + m.num_blocks
+        assert ld.total_blocks - ld.free_blocks + room[m.dst] <= g.util_thres * ld.total_blocks

@@ -75,7 +75,7 @@ class DistConfig:
     beta_thres: int = 64
     util_thres: float = 0.7
     move_blocks: int = 1024  # a forced move takes at least this many blocks
-    stall_limit_s: float = 120.0  # an instance that cannot step this long drops its request
+    stall_limit_s: float = 120.0  # no instance stepped this long: the stalled request is dropped
     rtt_s: float = 30e-6  # query out, partial result (two floats per head) back
     network: NetworkConfig = field(default_factory=NetworkConfig)  # across nodes
     nvlink: float = NVLINK  # within a node: moves and TP all-reduces
@@ -199,7 +199,7 @@ class Inst:
     reported: dict[str, tuple[int, bool]] = field(default_factory=dict)  # gManager's view
     steps: int = 0
     busy_s: float = 0.0
-    stalled_since: float | None = None
+    stall_s: float = 0.0  # waiting with work but no memory (moves, other instances)
 
     @property
     def free(self) -> int:
@@ -222,9 +222,15 @@ class DistResult:
     planned_moves: int = 0
     refused_moves: int = 0  # try_move_kvcache said no (stale view)
     reclaim_moves: int = 0  # a creditor short of memory handed blocks on
+    retrieve_moves: int = 0  # a debtor with room took its blocks back
     preemptions: int = 0
     max_spread: int = 0  # most instances one request's KV was on at once
     block_bytes: int = 0
+    steps: list[tuple[float, int]] = field(default_factory=list)  # (step end, tokens)
+
+    def tokens_by(self, t: float) -> int:
+        """Tokens computed (prompt and output, finished or not) by steps ending by t."""
+        return sum(n for end, n in self.steps if end <= t)
 
 
 # ------------------------------------------------------------------ simulator
@@ -254,6 +260,7 @@ class DistSim:
         self._seq = itertools.count()
         self._homes: dict[str, str] = {}
         self.queue: deque[Req] = deque()  # the front end's, not yet dispatched
+        self._progress = 0.0  # when an instance last ran a step
         for r in self.reqs:
             self._at(r.tr.arrival, partial(self._arrive, r))
         if cfg.mode == "infinite":
@@ -383,7 +390,7 @@ class DistSim:
         if not batch:
             self._stall(inst)
             return
-        inst.stalled_since = None
+        self._progress = inst.clock
         tokens = sum(n for _, n in batch)
         sampled = [r for r, n in batch if r.computed + n >= r.prompt]
         nbytes, flops = inst.pending_bytes, inst.pending_flops
@@ -398,27 +405,27 @@ class DistSim:
         inst.steps += 1
         inst.busy_s += dt
         inst.clock += dt
+        self.res.steps.append((inst.clock, tokens))
         for r, n in batch:
             self._advance(inst, r, n, inst.clock)
 
     def _stall(self, inst: Inst) -> None:
         """Nothing can run now (waiting on memory or moves): sleep until the next event or
         another instance's step (either may free memory)."""
-        if inst.stalled_since is None:
-            inst.stalled_since = inst.clock
         times = [t for t, _, _ in self._events[:1]]
         times += [i.clock for i in self.insts if i is not inst and i.busy]
-        if not times or inst.clock - inst.stalled_since > self.cfg.stall_limit_s:
-            inst.stalled_since = None
+        if not times or inst.clock - self._progress > self.cfg.stall_limit_s:
             return self._starved(inst)
         later = [t for t in times if t > inst.clock]
-        inst.clock = min(later) if later else inst.clock + 1e-4
+        nxt = min(later) if later else inst.clock + 1e-4
+        inst.stall_s += nxt - inst.clock
+        inst.clock = nxt
 
     def _starved(self, inst: Inst) -> None:
         """No event will free memory: reject the head request (it cannot ever run)."""
         r = inst.running.pop() if inst.running else inst.waiting.popleft()
         self._release(r)
-        r.rejected = "out of memory with nothing left to wait for"
+        r.rejected = f"out of memory on {inst.name} with nothing left to wait for"
 
     def _admit(self, inst: Inst) -> None:
         """The instance's own queue (dispatched or preempted requests), FIFO."""
@@ -636,6 +643,11 @@ class DistSim:
         """Every rManager's load and changed entries; then Algorithm 1's moves."""
         for inst in self.insts:
             self.gm.heartbeat(self._load(inst), self._changed(inst))
+        for mv in self.gm.retrieve():
+            home = self.by_name[mv.dst]
+            r = next((x for x in home.running if x.id == mv.req_id), None)
+            if r is not None and self._move(r, mv.src, mv.dst, mv.num_blocks, now):
+                self.res.retrieve_moves += 1
         for mv in self.gm.plan():
             src = self.by_name[mv.src]
             r = next((x for x in src.running if x.id == mv.req_id), None)
@@ -682,6 +694,18 @@ def check(sim: DistSim) -> None:
         assert 0 <= i.used <= i.total, (i.name, i.used, i.total)
 
 
+def longest_context(cfg: DistConfig) -> int:
+    """The longest request (prompt + output tokens) the system can hold at all: one
+    instance's pool (multi, single) or the whole cluster's (infinite)."""
+    sim = DistSim(cfg, [])
+    cap = sum(i.total for i in sim.insts) if cfg.mode == "infinite" else sim.insts[0].total
+    lo, hi = 0, cap * cfg.tokens_per_block
+    while lo < hi:  # the most tokens whose blocks and state fit cap
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if sum(sim._need(mid)) <= cap else (lo, mid - 1)
+    return lo
+
+
 def simulate_dist(trace: list[TraceRequest], cfg: DistConfig) -> DistResult:
     return DistSim(cfg, trace).run()
 
@@ -711,7 +735,8 @@ def summary(res: DistResult) -> dict:
         "moved_bytes": res.moved_bytes, "all_layer_bytes": res.all_layer_bytes,
         "forced_moves": res.forced_moves, "planned_moves": res.planned_moves,
         "refused_moves": res.refused_moves,
-        "reclaim_moves": res.reclaim_moves, "preemptions": res.preemptions,
+        "reclaim_moves": res.reclaim_moves, "retrieve_moves": res.retrieve_moves,
+        "preemptions": res.preemptions,
         "max_spread": res.max_spread,
         "longest_done": max((r.length for r in done), default=0),
     }
