@@ -75,6 +75,7 @@ class DistConfig:
     beta_thres: int = 64
     util_thres: float = 0.7
     move_blocks: int = 1024  # a forced move takes at least this many blocks
+    balance_prefill: bool = True  # spread a long prompt's blocks evenly (see _low_water)
     stall_limit_s: float = 120.0  # no instance stepped this long: the stalled request is dropped
     rtt_s: float = 30e-6  # query out, partial result (two floats per head) back
     network: NetworkConfig = field(default_factory=NetworkConfig)  # across nodes
@@ -449,7 +450,7 @@ class DistSim:
             return True
         first = sum(self._need(min(r.prompt, self.cfg.chunk_tokens)))
         return (self.cfg.mode == "infinite" and need > inst.total // 2 and room >= first
-                and self._cluster_free() >= sum(self._need(r.length)))
+                and self._cluster_free(inst) >= sum(self._need(r.length)))
 
     def _promised(self, inst: Inst) -> int:
         """Blocks the prompts under way here still need (at home, at most its free)."""
@@ -457,14 +458,16 @@ class DistSim:
                    for r in inst.running if r.computed < r.prompt)
         return min(left, inst.free)
 
-    def _cluster_free(self) -> int:
-        """Free blocks over the cluster less what admitted long requests will still need
-        (the gManager admits a long request only if the cluster can hold all of it, so
-        two long requests never wait on each other's memory)."""
+    def _cluster_free(self, home: Inst) -> int:
+        """Blocks a long request homed at `home` could get: home's free blocks and those
+        of instances that may lend (not debtors: an instance is never both), less what
+        admitted long requests will still need. The gManager admits a long request only
+        if that covers all of it, so two long requests never wait on each other."""
         promised = sum(max(0, sum(self._need(r.length)) - self._held(r) - r.state)
                        for i in self.insts for r in i.running
                        if sum(self._need(r.prompt)) > i.total // 2)
-        return sum(i.free for i in self.insts) - promised
+        lenders = sum(i.free for i in self.insts if i is not home and not self._is_debtor(i))
+        return home.free + lenders - promised
 
     def _batch(self, inst: Inst) -> list[tuple[Req, int]]:
         """Decodes first (one token), then prompt chunks within chunk_tokens; each
@@ -540,10 +543,22 @@ class DistSim:
     def _low_water(self, inst: Inst, r: Req) -> None:
         """Infinite: a long request (a quarter of the pool or more) starts moving blocks
         before the pool is out, so its prompt keeps streaming (the transfer overlaps the
-        steps, Fig. 6b). Short requests leave that to Algorithm 1."""
-        if (self.cfg.mode == "infinite" and inst.free < 2 * self.cfg.chunk_tokens
-                // self.cfg.tokens_per_block and r.blocks.get(inst.name, 0) > inst.total // 4
-                and not self._moving(inst)):
+        steps, Fig. 6b). Short requests leave that to Algorithm 1.
+
+        balance_prefill: a prompt longer than half a pool also moves blocks until home
+        holds no more than its share (prompt / instances): a prompt chunk's attention
+        runs in parallel only as far as the keys are spread, and the debtor's step waits
+        for its own share too (§5.2.1: remote work covered by local work)."""
+        if self.cfg.mode != "infinite" or self._moving(inst):
+            return
+        home = r.blocks.get(inst.name, 0)
+        pressed = (inst.free < 2 * self.cfg.chunk_tokens // self.cfg.tokens_per_block
+                   and home > inst.total // 4)
+        prompt_blocks = self._need(r.prompt)[0]
+        unbalanced = (self.cfg.balance_prefill and r.computed < r.prompt
+                      and prompt_blocks > inst.total // 2
+                      and home > prompt_blocks / len(self.insts) + self.cfg.move_blocks)
+        if pressed or unbalanced:
             self._force(inst, self.cfg.move_blocks, inst.clock)
 
     def _moving(self, inst: Inst) -> bool:
@@ -585,7 +600,8 @@ class DistSim:
         dsts = [r.home] if home.free >= n else []
         dsts += [c for c in self.gm.creditors(r.home, n) if c != inst.name]
         for dst in dsts:
-            k = min(n, self.by_name[dst].free)
+            d = self.by_name[dst]
+            k = min(n, d.free)
             if k > 0 and self._move(r, inst.name, dst, k, inst.clock):
                 self.res.reclaim_moves += 1
                 return True
