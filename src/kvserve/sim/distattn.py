@@ -85,6 +85,9 @@ class DistConfig:
     # one GPU's at batch 256 (Llama 3.1 8B), as Infinite-LLM's Fig. 1(c) measured;
     # nccl-tests report 10-20 us at small sizes. The roofline alone has no such loss.
     allreduce_latency_s: float = 11e-6
+    # A pipeline stage's activations to the next node (RDMA send/recv): not the
+    # network's per-transfer set-up, which models KV moves with their metadata.
+    pp_hop_latency_s: float = 20e-6
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -148,7 +151,7 @@ class Pricer:
             t += 2 * self.cfg.model.num_layers * (self.cfg.allreduce_latency_s + ring)
         if self.pp > 1:
             net = self.cfg.network
-            t += (self.pp - 1) * (net.latency + act / self.pp / net.bandwidth)
+            t += (self.pp - 1) * (self.cfg.pp_hop_latency_s + act / self.pp / net.bandwidth)
         return t
 
 
