@@ -114,3 +114,18 @@ def test_a_creditor_pays_for_the_attention_it_hosts():
     assert c.pending_bytes == pytest.approx(50 * 16 * 32 * 4096 + 32 * 4096)
     assert shards[c.name] == pytest.approx(c.pricer.attn_seconds(c.pending_bytes,
                                                                  c.pending_flops))
+
+
+def test_long_mix_has_table_1_shapes():
+    from kvserve.sim.traces import load_trace
+
+    trace = load_trace("long-mix:n=3000,long_frac=0.2,long_max=2000000")
+    total = {r.id: r.prompt_len + r.output_len for r in trace}
+    short = [n for k, n in total.items() if k.startswith("s")]
+    long = [n for k, n in total.items() if k.startswith("L")]
+    assert 0.17 < len(long) / len(trace) < 0.23
+    assert max(short) <= 60_000 and 800 < sum(short) / len(short) < 2_000  # trace 0: 1233
+    assert max(long) <= 2_000_000 and 430_000 < sum(long) / len(long) < 570_000  # 498,609
+    assert all(r.arrival == 0.0 for r in trace)
+    assert [r.prompt_len for r in trace] == [r.prompt_len for r in load_trace(
+        "long-mix:n=3000,long_frac=0.2,long_max=2000000")]
