@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvserve.cluster.placement import (
     GManager,
     InstanceLoad,
+    Move,
     PerfModel,
     RequestPlacementEntry,
 )
@@ -28,8 +29,8 @@ reports = st.lists(st.tuples(st.sampled_from(INSTS), st.sampled_from(REQS),
 # batch, free blocks, waiting, blocks per waiting request: any, or a memory-pressed
 # instance with a queue (a debtor candidate, so that plan() has work to do)
 load_spec = st.one_of(
-    st.tuples(st.integers(0, 100), st.integers(0, 2000), st.integers(0, 20),
-              st.integers(1, 100)),
+    st.tuples(st.integers(0, 100), st.integers(0, 2000),
+              st.one_of(st.just(0), st.integers(1, 20)), st.integers(1, 100)),
     st.tuples(st.integers(0, 8), st.integers(0, 200), st.integers(1, 20), st.integers(1, 20)))
 loads = st.fixed_dictionaries({i: load_spec for i in INSTS})
 
@@ -175,3 +176,25 @@ def test_drop_instance_returns_exactly_the_affected_requests(rs, dead):
         left = {i: n for i, n in want.get(req, {}).items() if i != dead}
         assert g.placement(req) == left
     assert g.load(dead) is None and dead not in g.creditors("i0", 1)
+
+
+@given(reports, loads)
+def test_retrieve_only_brings_blocks_home_from_full_creditors(rs, specs):
+    g = _replay(rs, specs)
+    room: dict[str, int] = {}
+    for m in g.retrieve():
+        assert m.dst == g.debtor(m.req_id) != m.src and m.num_blocks > 0
+        assert m.num_blocks <= g.placement(m.req_id)[m.src]
+        assert g.load(m.src).util > (1 + g.util_thres) / 2  # the creditor needs it
+        ld = g.load(m.dst)
+        room[m.dst] = room.get(m.dst, 0) + m.num_blocks
+        assert ld.total_blocks - ld.free_blocks + room[m.dst] <= g.util_thres * ld.total_blocks
+
+
+def test_retrieve_takes_lent_blocks_back_when_the_creditor_fills():
+    g = GManager(PERF, beta_thres=8, util_thres=0.6)
+    g.heartbeat(InstanceLoad("A", 1, 500, 1_000), [RequestPlacementEntry("x", "A", 500, True)])
+    g.heartbeat(InstanceLoad("B", 20, 300, 1_000), [RequestPlacementEntry("x", "B", 200, False)])
+    assert g.retrieve() == []  # B at 70%: inside the band, it keeps lending
+    g.heartbeat(InstanceLoad("B", 40, 50, 1_000), [])
+    assert g.retrieve() == [Move("x", "B", "A", 100)]  # A may fill up to 60%

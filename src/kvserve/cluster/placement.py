@@ -172,8 +172,12 @@ class GManager:
     fills a creditor past it, leaving it room for its own requests.
     """
 
-    def __init__(self, perf: PerfModel, beta_thres: int, util_thres: float) -> None:
+    def __init__(self, perf: PerfModel, beta_thres: int, util_thres: float,
+                 min_gain: float = 0.02) -> None:
         self.perf = perf
+        # a move must buy this share of the pair's throughput: moves cost network time
+        # the model leaves out, and a marginal one is undone by the next change of load
+        self.min_gain = min_gain
         self.beta_thres = beta_thres
         self.util_thres = util_thres
         self._insts: dict[str, _Inst] = {}
@@ -282,6 +286,31 @@ class GManager:
                 block_max -= k
         return moves
 
+    def retrieve(self) -> list[Move]:
+        """§5.2: a creditor short of space (past (1 + util_thres) / 2) reclaims what it
+        lent to a debtor that now has room (up to util_thres, no queue of its own).
+        Only then: a creditor with room keeps lending what plan() found worth moving,
+        so the two never undo each other."""
+        moves: list[Move] = []
+        for d in sorted(self.debtors()):
+            ld = self._insts[d].load
+            room = math.floor(self.util_thres * ld.total_blocks) - (
+                ld.total_blocks - ld.free_blocks)
+            if ld.waiting or room <= 0:
+                continue
+            for req in sorted(r for r, h in self._home.items() if h == d):
+                for inst, n in sorted(self._placement.get(req, {}).items()):
+                    k = min(n, room)
+                    if inst != d and k > 0 and self._short(inst):
+                        moves.append(Move(req, inst, d, k))
+                        room -= k
+        return moves
+
+    def _short(self, inst: str) -> bool:
+        # halfway between util_thres (where plan() stops lending) and full: a hysteresis
+        # band, so that a creditor's own growth past util_thres does not undo every move
+        return self._insts[inst].load.util > (1 + self.util_thres) / 2
+
     def _roles(self, loads: dict[str, InstanceLoad]) -> tuple[list[str], list[str]]:
         """Debtors (batch <= beta_thres, memory-pressed or already borrowing, lending
         nothing) by batch ascending; creditors (util <= util_thres, borrowing nothing,
@@ -347,4 +376,4 @@ class GManager:
 
         base_tps = pair_tps(0)
         best = max(sorted(cands), key=pair_tps)
-        return best if pair_tps(best) > base_tps * (1 + 1e-9) else 0
+        return best if pair_tps(best) > base_tps * (1 + self.min_gain) else 0

@@ -4,10 +4,11 @@
         --json out.json --plot out/
 
 `--trace` is a JSONL file or a generator (`name` or `name:key=value,...`):
-decode20, static, dynamic, arxiv-qa, mmmu, sharegpt, sharegpt-chat, doc-qa (see
-kvserve.sim.traces). With `--instances N` the trace runs through a simulated
+decode20, static, dynamic, arxiv-qa, mmmu, sharegpt, sharegpt-chat, doc-qa, long-mix
+(see kvserve.sim.traces). With `--instances N` the trace runs through a simulated
 cluster of N such engines instead (MemServe's designs and global scheduler:
-kvserve.sim.cluster_cli).
+kvserve.sim.cluster_cli); add `--dist-attention infinite,multi,single` for
+Infinite-LLM against vLLM-M and vLLM-S on N GPUs (kvserve.sim.distattn).
 """
 
 from __future__ import annotations

@@ -41,6 +41,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-causal", action="store_true",
                    help="send a session's turns at their trace times, not after the "
                         "previous answer")
+    g.add_argument("--dist-attention", default=None, type=_choices(["infinite", "multi",
+                                                                    "single"]),
+                   help="Infinite-LLM instead of MemServe's designs: infinite (KV spread "
+                        "over the N instances), multi (vLLM-M), single (vLLM-S, one "
+                        "instance over the N GPUs); a comma list or all (kvserve.sim.distattn)")
+    g.add_argument("--no-hybrid", action="store_true",
+                   help="--dist-attention: spread every attention layer's KV, not only the "
+                        "full-attention layers'")
 
 
 def _choices(names: list[str]):
@@ -72,6 +80,8 @@ def main(args: argparse.Namespace, trace: list, instance_config) -> None:
 
     if args.plot_dir:
         raise SystemExit("kvserve sim: --plot draws single-instance runs; use --json here")
+    if args.dist_attention:
+        return dist_main(args, trace, instance_config(args.policy[0]))
     runs = []
     for policy, design, routing in itertools.product(args.policy, args.design, args.routing):
         t0 = time.perf_counter()
@@ -95,3 +105,33 @@ def _print_row(s: dict, policy: str, wall: float, header: bool) -> None:
           f"{s['rejected']:>5}{s['mean_jct_s']:>8.2f}{s['p99_jct_s']:>8.2f}"
           f"{s['mean_ttft_s']:>9.3f}{s['p99_ttft_s']:>9.3f}{s['hit_rate']:>7.1%}"
           f"{s['bytes'] / 1e9:>10.1f}{wall:>8.1f}")
+
+
+def dist_main(args: argparse.Namespace, trace: list, instance) -> None:
+    """--dist-attention: the same trace through each system of kvserve.sim.distattn."""
+    from kvserve.sim.distattn import DistConfig, simulate_dist, summary
+    from kvserve.sim.network import GBIT, NetworkConfig
+
+    rows = []
+    for mode in args.dist_attention:
+        cfg = DistConfig(instance.model, instance.gpu, gpus=args.instances, mode=mode,
+                         hybrid=not args.no_hybrid, tokens_per_block=instance.tokens_per_page,
+                         max_num_seqs=instance.max_num_seqs,
+                         gpu_utilization=instance.gpu_utilization,
+                         heartbeat_s=args.heartbeat or 0.05,
+                         network=NetworkConfig(args.network_gbps * GBIT,
+                                               args.transfer_latency_ms / 1e3))
+        t0 = time.perf_counter()
+        s = summary(simulate_dist(trace, cfg))
+        rows.append(s)
+        if len(rows) == 1:
+            print(f"{s['model']} on {args.instances} x {instance.gpu.name}")
+            print(f"{'system':<10}{'done':>6}{'rej':>5}{'sim s':>9}{'tok/s':>10}{'out tok/s':>11}"
+                  f"{'GB moved':>10}{'all-layer GB':>14}{'spread':>8}{'wall s':>8}")
+        print(f"{mode:<10}{s['finished']:>6}{s['rejected']:>5}{s['sim_seconds']:>9.1f}"
+              f"{s['tokens_per_s']:>10.0f}{s['output_tokens_per_s']:>11.0f}"
+              f"{s['moved_bytes'] / 1e9:>10.1f}{s['all_layer_bytes'] / 1e9:>14.1f}"
+              f"{s['max_spread']:>8}{time.perf_counter() - t0:>8.1f}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"trace": args.trace, "runs": rows}, f)

@@ -344,6 +344,28 @@ def doc_qa(docs: int = 80, questions: int = 3, share: int = 2, doc_lo: int = 204
     return out
 
 
+def long_mix(n: int = 200, long_frac: float = 0.2, long_max: int = 200_000,
+             short_max: int = 60_000, rate: float = 0.0, out_max: int = 2_000,
+             seed: int = 0) -> list[TraceRequest]:
+    """Infinite-LLM's Table 1 mixes: short requests like its trace 0 (ShareGPT4, 1-60K,
+    mean ~1.2K, heavy tail: lognormal, median 400) and a `long_frac` share like its
+    traces 3-8 (1-`long_max`, mean ~long_max/4, SD ~long_max/7.6: a clipped normal).
+    Outputs are ShareGPT-like (lognormal, median 200, <= out_max) for both; the
+    context length is prompt + output. Poisson arrivals at `rate` (0: all at once)."""
+    rng = random.Random(seed)
+    out = []
+    for i, t in enumerate(_poisson_arrivals(rng, n, rate)):
+        is_long = rng.random() < long_frac
+        if is_long:
+            total = int(rng.gauss(long_max / 4, long_max / 7.6))
+            total = min(max(total, 2), long_max)
+        else:
+            total = min(max(int(rng.lognormvariate(math.log(400), 1.5)), 2), short_max)
+        n_out = min(max(1, int(rng.lognormvariate(math.log(200), 1.0))), out_max, total - 1)
+        out.append(TraceRequest(f"{'L' if is_long else 's'}{i}", t, n_out, total - n_out))
+    return out
+
+
 def _est_tokens(text: str) -> int:
     return max(1, math.ceil(len(text) / 4))
 
@@ -357,6 +379,7 @@ GENERATORS: dict[str, Callable[..., list[TraceRequest]]] = {
     "sharegpt": sharegpt,
     "sharegpt-chat": sharegpt_chat,
     "doc-qa": doc_qa,
+    "long-mix": long_mix,
 }
 
 
