@@ -29,12 +29,16 @@ import ray
 import torch
 
 from kvserve.engine.engine import LLMEngine
+from kvserve.kernels.cpu import kernels_for
 from kvserve.memory.allocator import OutOfPages
 from kvserve.models.dist_attention import Partial, RemoteKVLost, partial_attention
 from kvserve.physical.mempool import Addr
 
 LEND_FRACTION = 0.5  # a creditor lends at most this share of its pool: its own requests run
 MIN_LEND_BLOCKS = 8  # one lend moves at least this many blocks: fewer, larger transfers
+# Query rows up to this go to the CPU kernel over the shard's pages in place; more (a
+# prefill chunk) to SDPA over a gathered copy, faster per row (models/paged_attention.py)
+KERNEL_ROWS = 16
 
 
 @dataclass
@@ -114,10 +118,22 @@ class ShardStore:
         name = self.engine.kv.full_specs()[0].spec.name
         cache = self.mempool.device.layer(name, index)  # [pages, 2, T, Hkv, D]
         pages = torch.tensor([p for s in shards for p in s.rows[name]])
+        scale = self.engine.model.config.attn_scale
+        kernels = kernels_for(cache)
+        if kernels is not None and q.shape[0] <= KERNEL_ROWS and q.dtype == cache.dtype:
+            # Decode rows: the kernel reads the pages in place (no gather of the shard)
+            # and returns its log-sum-exp.
+            R, n = q.shape[0], len(pages) * cache.shape[2]
+            ints = [torch.zeros(R, dtype=torch.int32), torch.zeros(R, dtype=torch.int32),
+                    torch.full((R,), n, dtype=torch.int32)]
+            lse = torch.empty(q.shape[:2])
+            out = kernels.paged_attention(q.contiguous(), cache, pages.int()[None], *ints,
+                                          scale, lse)
+            return out, lse
         kv = cache.index_select(0, pages.to(cache.device))
         keys = kv[:, 0].reshape(-1, *cache.shape[3:]).to(q.dtype)
         values = kv[:, 1].reshape(-1, *cache.shape[3:]).to(q.dtype)
-        return partial_attention(q, keys, values, self.engine.model.config.attn_scale)
+        return partial_attention(q, keys, values, scale)
 
     def drop(self, req_id: str) -> int:
         """The debtor's request left: free its blocks here; returns how many pages."""
