@@ -17,7 +17,7 @@ routing   LooGLE-like document sessions, each run twice (share ratio 2):
 `{rate}` in --trace takes each of --rates (sessions started per second) in turn.
 Every run is the real GlobalScheduler and memory core per instance on H100
 roofline step times, a 200 Gb/s NIC per instance (kvserve.sim.cluster); the
-tables are Markdown, as docs/benchmarks_cluster_sim.md shows them.
+tables are Markdown, as docs/benchmarks.md shows them.
 """
 
 from __future__ import annotations

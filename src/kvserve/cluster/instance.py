@@ -267,9 +267,11 @@ class Instance:
         block = sum(kv.layout.page_bytes[m.s] for m in kv.full_specs())
         if not block:
             return
+        waiting = self.engine.scheduler.waiting
         hb.load = InstanceLoad(self.name, len(self.engine.scheduler.running),
                                (kv.pool_bytes - kv.stats().used) // block,
-                               kv.pool_bytes // block, len(self.engine.scheduler.waiting))
+                               kv.pool_bytes // block, len(waiting),
+                               sum(-(-len(r.token_ids) // kv.T) for r in waiting))
         now = {r.request_id: (kv.lendable_blocks(r.request_id), True)
                for r in self.engine.scheduler.running}
         now.update({r: (n, False) for r, n in self.shards.entries().items()})
