@@ -67,10 +67,13 @@ def test_one_pool_refuses_what_the_cluster_serves(ray_runtime, trio):
     assert seen["debtor"] == seen["serving"][0] and len(seen["placement"]) >= 2
     assert sum(seen["placement"].values()) >= len(LONG) // 4 - 1
     assert out.outputs[0].token_ids == reference(LONG, 12)
+    asyncio.run(trio.beat())  # the gManager hears that the request left
     hbs = beats(trio)
     assert sum(hb.lent_out_bytes for hb in hbs.values()) > 0  # its KV was spread
-    # Every shard was dropped, every page is free again, on every instance.
+    # Every shard was dropped, every page is free again, on every instance; the
+    # placement map, fed those heartbeats, agrees.
     assert all(hb.lent == {} for hb in hbs.values())
+    assert trio.gmanager.placement("long") == {} and trio.gmanager.debtor("long") is None
     assert all(s.used == 0 for s in stats(trio).values())
 
 
