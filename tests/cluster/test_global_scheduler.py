@@ -102,3 +102,18 @@ def test_unknown_policy_and_no_instance_are_clear_errors():
         GlobalScheduler("random")
     with pytest.raises(LookupError, match="no live decode instance"):
         sched("least-load").choose("decode", [], 1, 0)
+
+
+def test_a_pull_waits_behind_the_transfers_queued_on_either_nic():
+    s = sched("prompt-tree", bandwidth=1e9, prefill_tokens_per_s=1000)
+    tokens = list(range(400))
+    h = block_hashes(tokens, T)
+    s.trees["colocated"].stored("c0", h)
+    busy(s, "c0", 9)
+    m, _ = s.choose("colocated", h, 400, 0)
+    assert s.plan_pull("colocated", m, h, 400, 0) is not None  # idle NICs: it pays
+    # 400 ms of recompute saved against a second of KV already queued out of c0
+    s.transfer(s.members["c0"], m, int(1e9))
+    assert s.plan_pull("colocated", m, h, 400, 0) is None
+    s.transfer(s.members["c0"], m, -int(1e9))  # landed
+    assert s.plan_pull("colocated", m, h, 400, 0) is not None

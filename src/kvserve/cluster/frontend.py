@@ -367,9 +367,15 @@ class Cluster:
         """transfer_with_insert between two instances: src's cached KV of tokens, less
         what dst holds, into dst's cache. Returns the pages dst inserted."""
         lease = f"move-{uuid.uuid4().hex}"
-        have = await _call(dst, dst.handle.held.remote(tokens, lease))
-        ref = src.handle.export_kv.remote(tokens, have)
-        n = await _call(dst, dst.handle.import_kv.remote(ref, lease))
+        # What Eq. 2 sees queued on both NICs meanwhile (at most the tokens' KV)
+        nbytes = int(len(tokens) * src.info.kv_bytes_per_token)
+        self.scheduler.transfer(src, dst, nbytes)
+        try:
+            have = await _call(dst, dst.handle.held.remote(tokens, lease))
+            ref = src.handle.export_kv.remote(tokens, have)
+            n = await _call(dst, dst.handle.import_kv.remote(ref, lease))
+        finally:
+            self.scheduler.transfer(src, dst, -nbytes)
         self.scheduler.learn(dst, tokens, time.monotonic())
         return n
 

@@ -42,6 +42,9 @@ class Member:
     sent_bytes: int = 0
     received_bytes: int = 0
     lent_out_bytes: int = 0  # DistAttention: KV its requests lent to others so far
+    # KV transfers started from / to it that have not landed: the queue on its NIC
+    sending: int = 0
+    receiving: int = 0
     held_for_others: dict[str, int] = field(default_factory=dict)  # request -> blocks
 
     @property
@@ -145,7 +148,11 @@ class GlobalScheduler:
         block, x = chosen.info.block, max(num_tokens, 1)
         gain = self.exec(x, have * block / x) - self.exec(x, min(best[0] * block / x, 1.0))
         nbytes = (best[0] - have) * block * source.info.kv_bytes_per_token
-        if nbytes / self.bandwidth + self.transfer_latency_s >= gain:
+        # The pull waits behind the transfers already queued on either NIC: priced at the
+        # link's bandwidth alone, pulls piled up on busy NICs (docs/benchmarks.md, the
+        # cluster simulator on 200 Gb/s NICs).
+        queued = max(source.sending, chosen.receiving)
+        if (queued + nbytes) / self.bandwidth + self.transfer_latency_s >= gain:
             return None
         return Pull(source, best[0])
 
@@ -166,6 +173,12 @@ class GlobalScheduler:
 
     def done(self, m: Member, rid: str) -> None:
         m.pending.pop(rid, None)
+
+    @staticmethod
+    def transfer(src: Member, dst: Member, nbytes: int) -> None:
+        """A KV transfer of nbytes from src to dst starts (negative: it landed)."""
+        src.sending += nbytes
+        dst.receiving += nbytes
 
     def learn(self, m: Member, tokens: Sequence[int], now: float) -> None:
         """Approximate mode: m served these tokens, so it caches them for a while."""

@@ -269,7 +269,14 @@ class ClusterSim:
             self.sched.learn(dst.member, tokens, t)
             if then is not None:
                 then(t)
-        self._at(self.net.send(kind, src.name, dst.name, payload.nbytes, now), land)
+        self._at(self._send(kind, src, dst, payload.nbytes, now), land)
+
+    def _send(self, kind: str, src: Node, dst: Node, nbytes: int, now: float) -> float:
+        """Queue a transfer on the network; the scheduler sees it queued until it lands."""
+        landed = self.net.send(kind, src.name, dst.name, nbytes, now)
+        self.sched.transfer(src.member, dst.member, nbytes)
+        self._at(landed, lambda t: self.sched.transfer(src.member, dst.member, -nbytes))
+        return landed
 
     def _import(self, dst: Node, payload: SimPayload) -> int:
         n = import_(dst.pool, payload)
@@ -336,7 +343,7 @@ class ClusterSim:
             return self._end(job, now)
         job.prompt_bytes = payload.nbytes
         p.member.sent_bytes += payload.nbytes
-        landed = self.net.send("prompt", p.name, d.name, payload.nbytes, now)
+        landed = self._send("prompt", p, d, payload.nbytes, now)
         self._at(landed, partial(self._decode, job, p, d, payload))
 
     def _decode(self, job: Job, p: Node, d: Node, payload: SimPayload, now: float) -> None:
