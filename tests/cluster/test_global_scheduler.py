@@ -117,3 +117,10 @@ def test_a_pull_waits_behind_the_transfers_queued_on_either_nic():
     assert s.plan_pull("colocated", m, h, 400, 0) is None
     s.transfer(s.members["c0"], m, -int(1e9))  # landed
     assert s.plan_pull("colocated", m, h, 400, 0) is not None
+
+
+def test_an_instance_whose_nic_is_backed_up_is_chosen_last():
+    s = sched("prompt-tree", bandwidth=1e9, prefill_tokens_per_s=1000)
+    first, _ = s.choose("colocated", [], 100, 0)
+    s.transfer(s.members["c2" if first.name != "c2" else "c1"], first, int(5e8))  # 0.5 s
+    assert s.choose("colocated", [], 100, 0)[0].name != first.name

@@ -130,8 +130,11 @@ class GlobalScheduler:
         block = members[0].info.block
 
         def eq1(m: Member) -> tuple[float, int, str]:
+            # Eq. 1, plus the KV already queued into its NIC: what is sent to it (a
+            # prompt to decode, a pull) waits behind that
             y = min(cached.get(m.name, 0) * block / x, 1.0) if x else 0.0
-            return (self.queue_time(m) + self.exec(x, y), m.load, m.name)
+            nic = m.receiving / self.bandwidth
+            return (self.queue_time(m) + self.exec(x, y) + nic, m.load, m.name)
         return min(fair, key=eq1)
 
     def plan_pull(self, role: str, chosen: Member, hashes: Sequence[Hashable],
