@@ -201,7 +201,7 @@ class RayCreditor:
             return False  # dead or busy: the next creditor
 
     def store(self, req_id: str, data: dict[str, torch.Tensor]) -> None:
-        ray.get(self.handle.store_shard.remote(req_id, data))
+        ray.get(self.handle.store_shard.remote(req_id, data), timeout=self.TIMEOUT_S)
 
     def attend(self, req_id: str, index: int, q: torch.Tensor) -> Callable[[], Partial]:
         ref = self.handle.shard_attention.remote(req_id, index, q)
@@ -259,7 +259,9 @@ class Debtor:
             return False
         try:
             self._move(req, n, creditor)
-        except ray.exceptions.RayError:  # died since: nothing changed here
+        except ray.exceptions.RayError:  # died or hung since: nothing changed here
+            if creditor not in self.lent.get(req, []):
+                creditor.drop(req)  # its reservation, if it still lives
             return False
         return True
 
