@@ -116,9 +116,8 @@ def main() -> None:
     # What Infinite-LLM would move: every layer's KV of the lent tokens. Gemma 3's pages
     # hold 3 full-attention layers of 18 (1 in 6), all of the same size per token.
     e = LLMEngine.load(EngineConfig(kv_memory=x, max_num_batched_tokens=args.chunk))
-    full = sum(e.kv.layout.page_bytes[m.s] for m in e.kv.full_specs())
     every = sum(e.kv.layout.page_bytes)
-    out["all_layers_mib"] = lent * every / full / MiB
+    out["all_layers_mib"] = lent * every / e.kv.full_block_bytes() / MiB
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:

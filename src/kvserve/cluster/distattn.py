@@ -75,20 +75,15 @@ class ShardStore:
     def is_debtor(self) -> bool:
         return any(self.engine.kv.lent(r.request_id) for r in self.engine.scheduler.running)
 
-    def lendable_bytes(self) -> int:
-        """Room left for others' KV: 0 while this instance lends its own."""
-        return 0 if self.is_debtor() else max(0, self.limit - self.lent_bytes())
-
     def try_move_kvcache(self, req_id: str, num_blocks: int, debtor: str = "") -> bool:
         """Reserve room for num_blocks of the request's full-attention blocks (every full
         spec), first come first served; False (nothing taken) where they do not fit, or
         where this instance lends KV itself (never debtor and creditor at once)."""
         if self.is_debtor():
             return False
-        full = [m.spec.name for m in self.engine.kv.full_specs()]
         kv = self.engine.kv
-        need = sum(num_blocks * kv.layout.page_bytes[kv.layout.index(n)] for n in full)
-        if self.lent_bytes() + need > self.limit:
+        full = [m.spec.name for m in kv.full_specs()]
+        if self.lent_bytes() + num_blocks * kv.full_block_bytes() > self.limit:
             return False
         try:
             addrs = self.mempool.alloc_mem({name: num_blocks for name in full})

@@ -58,7 +58,6 @@ class Heartbeat:
     gone: list[Hashable] = field(default_factory=list)  # left every tier
     sent_bytes: int = 0  # KV bytes exported / imported so far
     received_bytes: int = 0
-    lendable_bytes: int = 0  # DistAttention: room left for others' KV (0 while a debtor)
     lent: dict[str, int] = field(default_factory=dict)  # request -> blocks held for others
     lent_out_bytes: int = 0  # KV bytes its own requests lent to others so far
     # Infinite-LLM's rManager report: load in full-attention blocks, the placement entries
@@ -93,7 +92,7 @@ class Instance:
     def info(self) -> InstanceInfo:
         e = self.engine
         per_token = sum(e.kv.layout.page_bytes) / e.kv.T
-        full = sum(e.kv.layout.page_bytes[m.s] for m in e.kv.full_specs()) / e.kv.T
+        full = e.kv.full_block_bytes() / e.kv.T
         return InstanceInfo(self.name, self.role, e.kv.T, e.max_model_len,
                             e.config.vocab_size, str(e.cfg.model or "gemma-3-270m"), per_token,
                             self._max_prompt(), int(self.shards.limit / full) if full else 0)
@@ -255,7 +254,7 @@ class Instance:
         e = self.engine
         hb = Heartbeat(self.name, len(e.scheduler.running), len(e.scheduler.waiting),
                        sent_bytes=self.sent_bytes, received_bytes=self.received_bytes,
-                       lendable_bytes=self.shards.lendable_bytes(), lent=self.shards.entries(),
+                       lent=self.shards.entries(),
                        lent_out_bytes=getattr(e.lender, "moved_bytes", 0))
         self._known = kv_events(hb, e.kv, self._known)
         self._report_placement(hb)
@@ -264,7 +263,7 @@ class Instance:
     def _report_placement(self, hb: Heartbeat) -> None:
         """The rManager's heartbeat: load and changed entries in full-attention blocks."""
         kv = self.engine.kv
-        block = sum(kv.layout.page_bytes[m.s] for m in kv.full_specs())
+        block = kv.full_block_bytes()
         if not block:
             return
         waiting = self.engine.scheduler.waiting
@@ -274,7 +273,7 @@ class Instance:
                                sum(-(-len(r.token_ids) // kv.T) for r in waiting))
         now = {r.request_id: (kv.lendable_blocks(r.request_id), True)
                for r in self.engine.scheduler.running}
-        now.update({r: (n, False) for r, n in self.shards.entries().items()})
+        now.update({r: (n, False) for r, n in hb.lent.items()})
         hb.entries = [RequestPlacementEntry(r, self.name, n, local)
                       for r, (n, local) in now.items() if self._placed.get(r) != (n, local)]
         hb.entries += [RequestPlacementEntry(r, self.name, 0, local)

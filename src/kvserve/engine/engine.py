@@ -198,8 +198,9 @@ class LLMEngine:
         self._detok: dict[str, DetokState] = {}
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
         self._next_release = 0.0  # monotonic time of the next idle-memory check
-        # Decode-only steps: (batch, full-attention blocks held here, seconds), what
-        # Infinite-LLM's performance model (cluster/placement.py, Eq. 5) is fitted on.
+        # Decode-only steps of a cluster instance (one with a lender): (batch, full-
+        # attention blocks held here, seconds), what Infinite-LLM's performance model
+        # (cluster/placement.py, Eq. 5) is fitted on.
         self.step_samples: deque[tuple[int, int, float]] = deque(maxlen=256)
 
     @staticmethod
@@ -342,7 +343,7 @@ class LLMEngine:
         tokens = self.sampler.sample(
             logits, [s.request.request_id for s in sampled], [s.request.params for s in sampled]
         )
-        if all(s.num_tokens == 1 for s in batch):
+        if self.lender is not None and all(s.num_tokens == 1 for s in batch):
             blocks = sum(self.kv.lendable_blocks(s.request.request_id) for s in batch)
             self.step_samples.append((len(batch), blocks, time.perf_counter() - start))
         self.scheduler.commit(batch)

@@ -146,8 +146,9 @@ class KVCacheManager:
                 m.reuse = self.reuse
         # Full-attention specs hold every block of a prefix: how far they match shows
         # where a lookup diverges from a cached request.
-        self._full = [m for m in self.managers
-                      if isinstance(m, TextStream) and m.spec.kind is LayerKind.FULL]
+        self._full_specs = [m for m in self.managers
+                            if isinstance(m, TextStream) and m.spec.kind is LayerKind.FULL]
+        self._full = self._full_specs
         if len(self._full) == len(self.managers):
             self._full = []  # every spec serves what the full ones hold: no divergence
         # The model's own rules, used only to account what the tokens need.
@@ -520,8 +521,7 @@ class KVCacheManager:
     def cached_keys(self) -> dict[str, set[Hashable]]:
         """Per tier ("device", "host"), the block keys a prefix's every block is kept
         under: a full-attention spec's (the first spec's when none), what routers index."""
-        m = (self._full or [m for m in self.managers if m.spec.kind is LayerKind.FULL]
-             or self.managers)[0]
+        m = (self._full_specs or self.managers)[0]
         out = {"device": set(self.alloc.specs[m.s].cached)}
         if self.host is not None:
             out["host"] = set(self.host.cached(m.s))
@@ -578,8 +578,11 @@ class KVCacheManager:
         return self._req(req_id).lent
 
     def full_specs(self) -> list[SpecManager]:
-        return [m for m in self.managers
-                if isinstance(m, TextStream) and m.spec.kind is LayerKind.FULL]
+        return self._full_specs
+
+    def full_block_bytes(self) -> int:
+        """Bytes of one block of every full-attention spec: what lending a block moves."""
+        return sum(self.layout.page_bytes[m.s] for m in self._full_specs)
 
     # ------------------------------------------------------------ model runner
 
