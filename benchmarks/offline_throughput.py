@@ -142,13 +142,14 @@ def decode_step(args: argparse.Namespace) -> dict:
 
 def capacity(args: argparse.Namespace) -> dict:
     """How many ShareGPT requests (prompt + full answer) fit a fixed KV budget at once."""
-    from kvserve.engine.runner import attention_specs
+    from kvserve.engine.runner import kv_specs
     from kvserve.memory import KVCacheManager
     from kvserve.memory.fill import fill
     from kvserve.models.loader import load_model_files
 
     config, _, tokenizer = load_model_files(None)
-    specs, _, _ = attention_specs(config, resolve_dtype(args.dtype, torch.device("cpu")))
+    layers = config.kv_layers()
+    specs, _, _ = kv_specs(layers, resolve_dtype(args.dtype, torch.device("cpu")))
     prompts, outputs = sharegpt_workload(tokenizer, 2000, 4096, 4096)
     lengths = [len(p) + o for p, o in zip(prompts, outputs)]
     result = {"kv_budget_MiB": args.kv_mib, "dtype": args.dtype,

@@ -100,7 +100,7 @@ def paged_call(ctx: int, n: int, dtype: torch.dtype, kernel: bool) -> Callable[[
     kv = KVCacheManager([spec], 2 * ctx * shape.bytes_per_token() + (4 << 20), T)
     pool = KVPool(kv.layout, kv.num_large_pages, {"full": shape})
     pool.layer("full", 0).normal_()
-    attn = PagedAttention(pool, [LayerBinding("full", 0, 0)], SCALE, T)
+    attn = PagedAttention(pool, [LayerBinding("full", 0, scale=SCALE)], T)
     if not kernel:
         attn.kernels = None
     pages = -(-ctx // T)

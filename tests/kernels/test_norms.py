@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.models.gemma3 import RotaryEmbedding, apply_rope, rms_norm
+from kvserve.models.layers import RotaryEmbedding, apply_rope, rms_norm
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -114,7 +114,7 @@ def test_prefill_logits_close_to_hf_and_window_matters(
 def _prefill_logits(
     model: Gemma3ForCausalLM, config: Gemma3Config, ids: list[int], tail: int
 ) -> torch.Tensor:
-    attn = ContiguousAttention(config)
+    attn = ContiguousAttention(config.kv_layers())
     positions = attn.begin_batch([0], [len(ids)])
     return model.compute_logits(model(torch.tensor(ids), positions, attn)[-tail:])
 
@@ -235,7 +235,7 @@ def test_hf_directory_tiny_random_model(kv: KvModel, tmp_path: Path) -> None:
     # Continuous-batching schedule: "a" prefills in a chunk of 6 then decodes; "b" joins
     # mid-way with its own chunked prefill, so one step mixes a decode and a prefill chunk.
     schedule = [{"a": 6}, {"a": 1, "b": 4}, {"a": 1, "b": 3}, {"a": 1, "b": 1}, {"a": 2, "b": 1}]
-    ours = _run_schedule(model, ContiguousAttention(config), seqs, schedule)
+    ours = _run_schedule(model, ContiguousAttention(config.kv_layers()), seqs, schedule)
     for name in seqs:
         torch.testing.assert_close(ours[name], ref[name], atol=1e-5, rtol=1e-5)
 

@@ -113,7 +113,8 @@ class ShardStore:
         name = self.engine.kv.full_specs()[0].spec.name
         cache = self.mempool.device.layer(name, index)  # [pages, 2, T, Hkv, D]
         pages = torch.tensor([p for s in shards for p in s.rows[name]])
-        scale = self.engine.model.config.attn_scale
+        scale = next(b.scale for b in self.engine.runner.attn.bindings
+                     if b.spec == name and b.index == index)
         kernels = kernels_for(cache)
         if kernels is not None and q.shape[0] <= KERNEL_ROWS and q.dtype == cache.dtype:
             # Decode rows: the kernel reads the pages in place (no gather of the shard)

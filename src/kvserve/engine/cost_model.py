@@ -314,7 +314,8 @@ class _Timers:
 
     @contextmanager
     def installed(self) -> Iterator[_Timers]:
-        from kvserve.models.gemma3 import Gemma3Attention, Linear
+        from kvserve.memory.spec import LayerKind
+        from kvserve.models.layers import Linear
 
         model, runner = self.engine.model, self.engine.runner
         starts: dict[int, float] = {}
@@ -326,9 +327,10 @@ class _Timers:
         def post(mod: torch.nn.Module, args: tuple, out: Any) -> None:
             self.add(LINEAR, self.clock() - starts.pop(id(mod)))
 
-        def wrap_backend(mod: Gemma3Attention, args: tuple) -> tuple:
-            name = ATTN_SLIDING if model.config.is_sliding(mod.layer_idx) else ATTN_FULL
-            return (*args[:2], self.timed(name, args[2]))  # forward(x, cos_sin, attn)
+        def wrap_backend(mod: torch.nn.Module, args: tuple) -> tuple:
+            kind = model.kv_layers[mod.layer_idx].kind
+            name = ATTN_SLIDING if kind is LayerKind.SLIDING else ATTN_FULL
+            return (*args[:-1], self.timed(name, args[-1]))  # forward(..., attn)
 
         execute = self.timed("step", runner.execute)
 
@@ -339,7 +341,7 @@ class _Timers:
         for mod in model.model.layers.modules():
             if isinstance(mod, Linear):
                 handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
-            elif isinstance(mod, Gemma3Attention):
+            elif mod.__class__.__name__.endswith("Attention") and hasattr(mod, "layer_idx"):
                 handles.append(mod.register_forward_pre_hook(wrap_backend))
         try:
             with _patched(runner, "execute", step), _patched(

@@ -22,14 +22,14 @@ from kvserve.engine.request import (
     RequestOutput,
     SamplingParams,
 )
-from kvserve.engine.runner import ModelRunner, attention_specs, check_kv_backend
+from kvserve.engine.runner import ModelRunner, check_kv_backend, kv_specs, vtensor_shape
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.scheduler import Lender, Scheduler
 from kvserve.memory import KVCacheManager
 from kvserve.memory.manager import LoadRule
+from kvserve.models.base import CausalLM
 from kvserve.models.dist_attention import RemoteKVLost
-from kvserve.models.gemma3 import Gemma3ForCausalLM
-from kvserve.models.loader import open_model
+from kvserve.models.loader import build_model, open_model
 from kvserve.models.quant import resolve_quantization
 from kvserve.models.virtual_attention import chunk_bytes_of, core_budget
 from kvserve.physical.host import HostPool, copy_bandwidth
@@ -163,26 +163,29 @@ class LLMEngine:
         config, state_dict, tokenizer = open_model(cfg.model)
         dtype = resolve_dtype(cfg.dtype, device)
         quantization = resolve_quantization(cfg.quantization, device, config.source_weight_types)
-        model = Gemma3ForCausalLM.from_state_dict(config, state_dict, device, dtype)
+        model = build_model(config, state_dict, device, dtype)
         model.quantize(quantization)
         return cls(model, tokenizer.result(), cfg)
 
-    def __init__(self, model: Gemma3ForCausalLM, tokenizer, cfg: EngineConfig) -> None:
+    def __init__(self, model: CausalLM, tokenizer, cfg: EngineConfig) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         config = self.config = model.config
         vtensor = cfg.kv_backend == "vtensor"
-        specs, bindings, shape = attention_specs(config, model.dtype, full_history=vtensor)
+        specs, bindings, shapes = kv_specs(model.kv_layers, model.dtype, full_history=vtensor)
         kv_bytes = resolve_kv_bytes(cfg.kv_memory, model.device)
         # Under vtensor kv_bytes is the physical ceiling; the core admits a share of it.
-        core_bytes = kv_bytes if not vtensor else core_budget(
-            kv_bytes, len(bindings), chunk_bytes_of(shape, cfg.tokens_per_page),
-            shape.bytes_per_token() * cfg.tokens_per_page, cfg.max_num_seqs)
+        core_bytes = kv_bytes
+        if vtensor:
+            shape = vtensor_shape(shapes, bindings)
+            core_bytes = core_budget(
+                kv_bytes, len(bindings), chunk_bytes_of(shape, cfg.tokens_per_page),
+                shape.bytes_per_token() * cfg.tokens_per_page, cfg.max_num_seqs)
         self.kv = KVCacheManager(
             specs, core_bytes, cfg.tokens_per_page,
             policy=cfg.policy, enable_caching=cfg.enable_prefix_caching,
             host_bytes=cfg.host_kv_memory, worth_loading=self._load_rule(cfg, model.device),
         )
-        self.runner = ModelRunner(self.model, self.kv, bindings, shape, cfg.kv_backend,
+        self.runner = ModelRunner(self.model, self.kv, bindings, shapes, cfg.kv_backend,
                                   kv_bytes)
         host = None
         if self.kv.host is not None:

@@ -8,43 +8,53 @@ admits and finds prefix hits for both.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from kvserve.engine.scheduler import Lender, Scheduled
 from kvserve.memory import KVCacheManager, KVSpec, LayerKind
-from kvserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from kvserve.models.base import CausalLM, KVLayer
 from kvserve.models.paged_attention import LayerBinding, PagedAttention, SeqStep
 from kvserve.models.virtual_attention import VirtualAttention, VirtualSeq
 from kvserve.physical.pool import AttentionShape, KVPool
 
 
-def attention_specs(
-    config: Gemma3Config, dtype: torch.dtype, full_history: bool = False
-) -> tuple[list[KVSpec], list[LayerBinding], AttentionShape]:
-    """The model's KV specs (one per layer type) and where each layer lives in them.
+def kv_specs(
+    layers: Sequence[KVLayer], dtype: torch.dtype, full_history: bool = False
+) -> tuple[list[KVSpec], list[LayerBinding], dict[str, AttentionShape]]:
+    """The memory core's specs for a model's layers, where each layer lives in them, and
+    each attention spec's per-layer KV shape.
 
-    With `full_history` (the vtensor backend, which keeps every layer's whole
-    history) every layer is accounted as full attention; bindings keep their
-    windows, which attention still applies.
+    Layers that share a rule and a shape share a spec (Jenga: one page holds a token of
+    every layer of its spec), named after the rule; a second spec of one kind (another
+    window or head size) gets a numbered name. With `full_history` (the vtensor backend,
+    which keeps every layer's whole history) attention layers are accounted as full
+    attention; their bindings keep their windows, which attention still applies.
     """
-    shape = AttentionShape(config.num_key_value_heads, config.head_dim, dtype)
-    bindings, counts = [], {"full": 0, "sliding": 0}
-    for i in range(config.num_hidden_layers):
-        name = "sliding" if config.is_sliding(i) and not full_history else "full"
-        window = config.sliding_window if config.is_sliding(i) else 0
-        bindings.append(LayerBinding(name, counts[name], window))
-        counts[name] += 1
-    bpt = shape.bytes_per_token()
-    specs = []
-    if counts["full"]:
-        specs.append(KVSpec("full", LayerKind.FULL, counts["full"], bpt))
-    if counts["sliding"]:
-        # HF's window counts the query itself; as the memory core's W it keeps
-        # one token more than needed, which is safe.
-        specs.append(KVSpec("sliding", LayerKind.SLIDING, counts["sliding"], bpt,
-                            window=config.sliding_window))
-    return specs, bindings, shape
+    specs: dict[tuple, KVSpec] = {}
+    bindings, counts, shapes = [], {}, {}
+    for layer in layers:
+        kind = LayerKind.FULL if full_history and layer.attends else layer.kind
+        key = (kind, layer.window if kind is LayerKind.SLIDING else 0,
+               layer.chunk if kind is LayerKind.CHUNKED else 0,
+               layer.kv_heads, layer.head_dim, layer.state_bytes)
+        if key not in specs:
+            n = sum(1 for k in specs if k[0] is kind)
+            specs[key] = KVSpec(kind.value if n == 0 else f"{kind.value}-{n + 1}", kind, 1, 1,
+                                window=key[1], chunk=key[2])
+        name = specs[key].name
+        counts[name] = counts.get(name, 0) + 1
+        bindings.append(LayerBinding(name, counts[name] - 1, layer.window, layer.chunk,
+                                     layer.scale, layer.softcap))
+        if layer.attends:
+            shapes[name] = AttentionShape(layer.kv_heads, layer.head_dim, dtype)
+    out = []
+    for key, spec in specs.items():
+        per_token = (shapes[spec.name].bytes_per_token() if spec.name in shapes
+                     else key[5])
+        out.append(replace(spec, num_layers=counts[spec.name], bytes_per_token=per_token))
+    return out, bindings, shapes
 
 
 KV_BACKENDS = ("paged", "vtensor")
@@ -56,10 +66,23 @@ def check_kv_backend(name: str) -> str:
     return name
 
 
+def vtensor_shape(shapes: dict[str, AttentionShape],
+                  bindings: Sequence[LayerBinding]) -> AttentionShape:
+    """The one KV shape the vtensor backend serves; it refuses what it cannot (yet) run."""
+    if len(set(shapes.values())) != 1 or len(shapes) != len({b.spec for b in bindings}):
+        raise ValueError("kv_backend 'vtensor' serves attention-only models with one KV shape; "
+                         "use kv_backend 'paged'")
+    if any(b.chunk or b.softcap or b.scale != bindings[0].scale for b in bindings):
+        raise ValueError("kv_backend 'vtensor' has no chunked attention, softcapping or "
+                         "per-layer scales; use kv_backend 'paged'")
+    return next(iter(shapes.values()))
+
+
 class ModelRunner:
     def __init__(
-        self, model: Gemma3ForCausalLM, kv: KVCacheManager, bindings: Sequence[LayerBinding],
-        shape: AttentionShape, kv_backend: str = "paged", kv_bytes: int | None = None,
+        self, model: CausalLM, kv: KVCacheManager, bindings: Sequence[LayerBinding],
+        shapes: dict[str, AttentionShape], kv_backend: str = "paged",
+        kv_bytes: int | None = None,
     ) -> None:
         """`kv_bytes`: the vtensor pool's physical ceiling (default: the memory core's pool)."""
         self.model = model
@@ -71,13 +94,12 @@ class ModelRunner:
             if model.device.type != "cpu":
                 raise ValueError("kv_backend 'vtensor' runs on CPU only for now")
             self.pool = None
-            windows = [b.window for b in bindings]
             self.attn = VirtualAttention(
-                windows, shape, model.config.attn_scale, kv_bytes or kv.pool_bytes, kv.T)
+                [b.window for b in bindings], vtensor_shape(shapes, bindings),
+                bindings[0].scale, kv_bytes or kv.pool_bytes, kv.T)
         else:
-            shapes = {spec.name: shape for spec in kv.layout.specs}
             self.pool = KVPool(kv.layout, kv.num_large_pages, shapes, model.device)
-            self.attn = PagedAttention(self.pool, bindings, model.config.attn_scale, kv.T)
+            self.attn = PagedAttention(self.pool, bindings, kv.T)
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[Scheduled]) -> torch.Tensor:

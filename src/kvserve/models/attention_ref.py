@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from kvserve.models.base import CausalLM, KVLayer
 
 
 @dataclass(frozen=True)
@@ -32,14 +32,16 @@ class ContiguousAttention:
     ``model(input_ids, positions, attn)``; every layer appends its k/v and attends. A sequence
     seen for the first time starts empty (prefill); later steps extend it (decode or chunked
     prefill). Masking follows HF: a query at position p sees keys at positions k with
-    ``k <= p`` and, on sliding layers, ``k > p - sliding_window``.
+    ``k <= p``, on sliding layers ``k > p - window``, on chunked layers
+    ``k >= p // chunk * chunk``; scores are soft-capped before the mask where the layer
+    says so.
     """
 
-    def __init__(self, config: Gemma3Config, device: torch.device | str = "cpu") -> None:
-        self.config = config
+    def __init__(self, layers: Sequence[KVLayer], device: torch.device | str = "cpu") -> None:
+        self.layers = list(layers)
         self.device = torch.device(device)
-        self._k: list[dict[Hashable, torch.Tensor]] = [{} for _ in config.layer_types]
-        self._v: list[dict[Hashable, torch.Tensor]] = [{} for _ in config.layer_types]
+        self._k: list[dict[Hashable, torch.Tensor]] = [{} for _ in self.layers]
+        self._v: list[dict[Hashable, torch.Tensor]] = [{} for _ in self.layers]
         self._lens: dict[Hashable, int] = {}
         self._batch: list[_Slot] = []
 
@@ -102,25 +104,30 @@ class ContiguousAttention:
     ) -> torch.Tensor:
         q_pos = torch.arange(slot.past_len, slot.past_len + slot.num_new, device=q.device)
         k_pos = torch.arange(k.shape[0], device=q.device)
+        layer = self.layers[layer_idx]
         mask = k_pos[None, :] <= q_pos[:, None]
-        if self.config.is_sliding(layer_idx):
-            mask &= k_pos[None, :] > q_pos[:, None] - self.config.sliding_window
+        if layer.window:
+            mask &= k_pos[None, :] > q_pos[:, None] - layer.window
+        if layer.chunk:
+            mask &= k_pos[None, :] >= q_pos[:, None] // layer.chunk * layer.chunk
         # SDPA wants [heads, tokens, head_dim]. Query head h reads kv head h // group; expand
         # the shared KV heads the way HF's repeat_kv does so the arithmetic matches it.
         group = q.shape[1] // k.shape[1]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1).repeat_interleave(group, dim=0),
-            v.transpose(0, 1).repeat_interleave(group, dim=0),
-            attn_mask=mask,
-            scale=self.config.attn_scale,
-        )
+        q, k, v = (q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(group, dim=0),
+                   v.transpose(0, 1).repeat_interleave(group, dim=0))
+        if layer.softcap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale)
+        else:  # SDPA cannot cap scores: eager attention, as HF runs these models
+            scores = torch.matmul(q, k.transpose(1, 2)) * layer.scale
+            scores = torch.tanh(scores / layer.softcap) * layer.softcap
+            scores = scores.masked_fill(~mask, float("-inf"))
+            out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
         return out.transpose(0, 1)
 
 
 @torch.inference_mode()
 def greedy_generate(
-    model: Gemma3ForCausalLM,
+    model: CausalLM,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     attn: ContiguousAttention | None = None,
@@ -130,7 +137,7 @@ def greedy_generate(
     Runs exactly ``max_new_tokens`` steps (no stop tokens): it is a reference loop for tests,
     not the engine's scheduler.
     """
-    attn = attn if attn is not None else ContiguousAttention(model.config, model.device)
+    attn = attn if attn is not None else ContiguousAttention(model.kv_layers, model.device)
     seq_ids = list(range(len(prompts)))
     step_inputs = [list(p) for p in prompts]
     generated: list[list[int]] = [[] for _ in prompts]
@@ -148,11 +155,11 @@ def greedy_generate(
 
 
 @torch.inference_mode()
-def sequence_logits(model: Gemma3ForCausalLM, ids: Sequence[int],
+def sequence_logits(model: CausalLM, ids: Sequence[int],
                     step: int | None = None) -> torch.Tensor:
     """Float32 logits at every position of one sequence [len(ids), vocab], fed `step`
     tokens a forward (all at once if None): the yardstick for quantization quality."""
-    attn = ContiguousAttention(model.config, model.device)
+    attn = ContiguousAttention(model.kv_layers, model.device)
     out = []
     for start in range(0, len(ids), step or len(ids)):
         chunk = list(ids[start:start + (step or len(ids))])

@@ -29,7 +29,10 @@ class LayerBinding:
 
     spec: str
     index: int  # layer index inside the spec's pages
-    window: int  # 0 for full attention
+    window: int = 0  # 0 for full attention
+    chunk: int = 0  # chunked local attention: keys from p // chunk * chunk
+    scale: float = 1.0
+    softcap: float | None = None
 
 
 @dataclass
@@ -90,11 +93,12 @@ def first_key(start: int, window: int) -> int:
 
 class PagedAttention:
     def __init__(
-        self, pool: KVPool, bindings: Sequence[LayerBinding], scale: float, block_size: int
+        self, pool: KVPool, bindings: Sequence[LayerBinding], block_size: int
     ) -> None:
         self.pool = pool
         self.bindings = list(bindings)
-        self.scale = scale
+        if any(b.chunk or b.softcap for b in self.bindings):
+            raise NotImplementedError("chunked attention and softcapping are not served yet")
         self.T = block_size
         self.device = pool.device
         self._windows = sorted({(b.spec, b.window) for b in self.bindings})
@@ -230,6 +234,7 @@ class PagedAttention:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         b = self.bindings[layer_idx]
+        self.scale = b.scale  # the layer's, read by every path below
         cache = self.pool.layer(b.spec, b.index)
         pages, offs = self.writes[b.spec]
         key = (b.spec, b.window)

