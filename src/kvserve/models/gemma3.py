@@ -198,7 +198,8 @@ GGUF_LAYER_NAMES = {
 }
 
 
-def gguf_tensor(name: str, tensor: torch.Tensor, config: Gemma3Config) -> torch.Tensor:
+def gguf_tensor(name: str, tensor: torch.Tensor, config: Gemma3Config,
+                arch: str) -> torch.Tensor:
     """llama.cpp's Gemma converter stores RMSNorm weights as (1 + w) because ggml multiplies
     by the weight directly; ours (like HF's) applies (1 + w): undo the shift. (Gemma's RoPE
     is Neox-style in llama.cpp too, so unlike Llama no q/k rows to unpermute.)"""

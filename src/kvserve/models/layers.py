@@ -261,10 +261,10 @@ def act_mul(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused in one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate)
-        self.down_proj = Linear(intermediate, hidden)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = act_mul(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -196,7 +196,7 @@ def read_gguf(gguf_path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     for tensor in reader.tensors:
         name = _gguf_to_hf_name(tensor.name, names)
         weights = _dequantize(tensor)
-        state_dict[name] = fix(name, weights, config) if fix else weights
+        state_dict[name] = fix(name, weights, config, meta.arch) if fix else weights
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)
     return config, state_dict

@@ -6,7 +6,7 @@ An HF directory names it in config.json's `architectures`, a GGUF file in
 - `Config` (a `ModelConfig`) and `Model` (a `CausalLM`);
 - `config_from_hf(hf_config)`: the config from transformers' parsed config;
 - optionally `config_from_gguf(meta, tensor_shapes)` and `gguf_tensor(name, tensor,
-  config)` (a family's fix-ups of llama.cpp's stored tensors), for GGUF files.
+  config, arch)` (a family's fix-ups of llama.cpp's stored tensors), for GGUF files.
 
 Modules import lazily: naming a family costs nothing until it is used.
 """

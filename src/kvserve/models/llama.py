@@ -1,0 +1,220 @@
+"""Llama-style decoders: Llama 2/3, SmolLM2, Mistral, Ministral, Qwen2 and Qwen3.
+
+One pre-norm block: x + attn(norm(x)), then x + SwiGLU(norm(x)); grouped-query attention
+with RoPE (rotate-half, as HF computes it), optional q/k/v biases (Qwen2), optional
+per-head q/k RMSNorm before RoPE (Qwen3), and per layer either full attention or a
+sliding window (Mistral: every layer; Qwen2/Qwen3/Ministral: `layer_types`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvserve.memory.spec import LayerKind
+from kvserve.models.base import AttentionBackend, CausalLM, KVLayer, ModelConfig
+from kvserve.models.checkpoint import gguf_common, gguf_rope_scaling, hf_common, hf_rope_scaling
+from kvserve.models.layers import (
+    Derived,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    add_then_norm,
+    apply_rope,
+    fuse_projections,
+    norm_rope,
+)
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+@dataclass
+class LlamaConfig(ModelConfig):
+    rope_theta: float = 10_000.0
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)
+    qkv_bias: bool = False  # Qwen2
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3
+    hidden_act: str = "silu"
+    family: str = "llama"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.layer_types:
+            kind = SLIDING if self.sliding_window else FULL
+            self.layer_types = [kind] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError("layer_types must have one entry per layer")
+        if any(t not in (SLIDING, FULL) for t in self.layer_types):
+            raise ValueError(f"unknown layer type in {self.layer_types}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a sliding_window")
+
+    def kv_layers(self) -> list[KVLayer]:
+        scale = self.head_dim**-0.5
+        return [KVLayer(LayerKind.SLIDING, self.num_key_value_heads, self.head_dim, scale,
+                        window=self.sliding_window or 0) if t == SLIDING
+                else KVLayer(LayerKind.FULL, self.num_key_value_heads, self.head_dim, scale)
+                for t in self.layer_types]
+
+
+def _qk_scale(n_heads: int, n_kv_heads: int, wq: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
+    """[q heads + kv heads, head_dim] norm scales of q_norm, then of k_norm."""
+    return torch.cat((wq.float().expand(n_heads, -1), wk.float().expand(n_kv_heads, -1)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        D = self.head_dim = config.head_dim
+        # q, k and v in one matmul; adapt_state_dict fuses the checkpoint's projections.
+        self.qkv_proj = Linear(config.hidden_size, (self.n_heads + 2 * self.n_kv_heads) * D,
+                               bias=config.qkv_bias)
+        self.o_proj = Linear(self.n_heads * D, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(D, config.rms_norm_eps)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps)
+            self.qk_scale = Derived(partial(_qk_scale, self.n_heads, self.n_kv_heads))
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...],
+                attn: AttentionBackend) -> torch.Tensor:
+        n, D = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, : (self.n_heads + self.n_kv_heads) * D].view(n, -1, D)
+        if hasattr(self, "q_norm"):  # Qwen3: per-head RMSNorm, then RoPE, one pass
+            scale = self.qk_scale.get(self.q_norm.weight, self.k_norm.weight)
+            qk = norm_rope(qk, scale, self.q_norm.eps, cos_sin, in_place=True)
+        else:
+            qk = apply_rope(qk, *cos_sin)
+        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)
+        v = qkv[:, (self.n_heads + self.n_kv_heads) * D:].view(n, self.n_kv_heads, D)
+        out = attn(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(n, self.n_heads * D))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        eps, hidden = config.rms_norm_eps, config.hidden_size
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_act,
+                            bias=config.mlp_bias)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor, cos_sin: tuple[torch.Tensor, ...],
+                attn: AttentionBackend, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream, h: input_layernorm(x). Returns the new stream and
+        next_norm of it (the next layer's input norm, or the final norm)."""
+        x, h = add_then_norm(x, self.self_attn(h, cos_sin, attn), self.post_attention_layernorm)
+        return add_then_norm(x, self.mlp(h), next_norm)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(CausalLM):
+    config: LlamaConfig
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self.model = LlamaModel(config)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions, x.dtype)
+        layers = self.model.layers
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, h = layer(x, h, cos_sin, attn, nxt)
+        return h
+
+    def adapt_state_dict(self, state_dict):  # noqa: ANN001, ANN201 - see CausalLM
+        return fuse_projections(state_dict)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def config_from_hf(hf: Any) -> LlamaConfig:
+    """LlamaConfig from transformers' Llama / Mistral / Ministral / Qwen2 / Qwen3 config."""
+    rope = hf.rope_parameters or {}
+    layer_types = list(getattr(hf, "layer_types", None) or [])
+    window = getattr(hf, "sliding_window", None)
+    if not layer_types:  # Mistral: a window, when set, on every layer
+        layer_types = [SLIDING if window else FULL] * hf.num_hidden_layers
+    qwen2 = hf.model_type == "qwen2"
+    return LlamaConfig(
+        **hf_common(hf),
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        rope_theta=float(rope.get("rope_theta", 10_000.0)),
+        rope_scaling=hf_rope_scaling(rope),
+        sliding_window=window if SLIDING in layer_types else None,
+        layer_types=layer_types,
+        qkv_bias=qwen2 or bool(getattr(hf, "attention_bias", False)),
+        o_bias=not qwen2 and bool(getattr(hf, "attention_bias", False)),
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        qk_norm=hf.model_type == "qwen3",
+        hidden_act=hf.hidden_act,
+    )
+
+
+def config_from_gguf(meta: Any, tensor_shapes: dict[str, list[int]]) -> LlamaConfig:
+    """LlamaConfig from a llama.cpp GGUF of architecture llama, qwen2 or qwen3."""
+    from gguf import Keys
+
+    common = gguf_common(meta, tensor_shapes)
+    heads = common["num_attention_heads"]
+    window = meta.get(Keys.Attention.SLIDING_WINDOW)
+    return LlamaConfig(
+        **common,
+        head_dim=int(meta.get(Keys.Attention.KEY_LENGTH, common["hidden_size"] // heads)),
+        rope_theta=float(meta.get(Keys.Rope.FREQ_BASE, 10_000.0)),
+        rope_scaling=gguf_rope_scaling(meta),
+        sliding_window=int(window) if window else None,
+        qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
+    )
+
+
+def gguf_tensor(name: str, tensor: torch.Tensor, config: LlamaConfig,
+                arch: str) -> torch.Tensor:
+    """llama.cpp's Llama converter permutes q and k rows so its RoPE can rotate adjacent
+    pairs; HF's rotates halves. Put the rows back (its Qwen converters do not permute:
+    ggml runs those with Neox-style RoPE)."""
+    if arch != "llama":
+        return tensor
+    if name.endswith("self_attn.q_proj.weight"):
+        return _unpermute(tensor, config.num_attention_heads)
+    if name.endswith("self_attn.k_proj.weight"):
+        return _unpermute(tensor, config.num_key_value_heads)
+    return tensor
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+Config = LlamaConfig
+Model = LlamaForCausalLM
