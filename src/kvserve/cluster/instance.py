@@ -25,7 +25,8 @@ from kvserve.engine.engine import KV_LOST, LLMEngine
 from kvserve.engine.request import RequestOutput
 from kvserve.memory import KVCacheManager
 from kvserve.models.dist_attention import Partial, RemoteKVLost
-from kvserve.server.engine_loop import EngineLoop, EngineSnapshot, Submission
+from kvserve.server.engine_loop import EngineLoop, Submission
+from kvserve.server.metrics import EngineSnapshot
 
 PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
 LEASE_S = 60.0  # pages held for a transfer whose sender went silent are unpinned after this

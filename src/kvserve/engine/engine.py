@@ -43,7 +43,7 @@ KV_LOST = "kv-lost"  # stop_reason of a request whose lent KV died with another 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # GGUF file or HF directory; None = Gemma 3 270M
+    model: str | None = None  # GGUF file, HF directory or packaged name; None = Gemma 3 270M
     kv_memory: int | float | None = None  # bytes, or a fraction of free memory
     dtype: torch.dtype | str = "auto"  # or a torch dtype / its name; see resolve_dtype
     device: str | None = None

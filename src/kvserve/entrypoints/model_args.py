@@ -8,7 +8,8 @@ from typing import Any
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="GGUF file or HF directory (default: the packaged Gemma 3 270M)")
+                   help="GGUF file, HF directory, or a packaged model by name: gemma3-270m "
+                        "(the default), smollm2")
     p.add_argument("--kv-memory", default=None,
                    help="KV pool: bytes ('2G', '512M') or a fraction of free memory ('0.3'); "
                         "under --kv-backend vtensor a ceiling, taken as used and given back")

@@ -20,14 +20,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve.entrypoints.model_args import add_model_arguments, model_config
 from kvserve.server import protocol as p
-from kvserve.server.engine_loop import EngineFailure, EngineLoop, EngineSnapshot
+from kvserve.server.engine_loop import EngineFailure, EngineLoop
 from kvserve.server.errors import (
     APIError,
     error_response,
     error_responses,
     install_error_handlers,
 )
-from kvserve.server.metrics import ServerMetrics
+from kvserve.server.metrics import EngineSnapshot, ServerMetrics
 from kvserve.server.serving import ClientGone, OpenAIServing
 
 if TYPE_CHECKING:

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.request import RequestOutput, SamplingParams
-from kvserve.memory.manager import Stats
-from kvserve.server.metrics import ServerMetrics
+from kvserve.server.metrics import EngineSnapshot, ServerMetrics
 
 log = logging.getLogger("kvserve.server")
 
@@ -42,19 +41,6 @@ class Submission:
     prompt: str | None
     params: SamplingParams
     session: str | None = None  # the client's user / session id (a cluster routes by it)
-
-
-@dataclass
-class EngineSnapshot:
-    """What /metrics reads from the engine, taken between two steps."""
-
-    running: int
-    waiting: int
-    kv: Stats
-    preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    vtensor: dict[str, int] | None = None  # VirtualAttention.stats(); None: paged backend
 
 
 @dataclass

@@ -10,14 +10,13 @@ and never concurrently with a step.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from kvserve.server.engine_loop import EngineSnapshot
+from kvserve.memory.manager import Stats
 
 # vLLM's buckets, so dashboards built for it read these the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -26,6 +25,19 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+@dataclass
+class EngineSnapshot:
+    """What /metrics reads from the engine, taken between two steps."""
+
+    running: int
+    waiting: int
+    kv: Stats
+    preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    vtensor: dict[str, int] | None = None  # VirtualAttention.stats(); None: paged backend
+
 
 UNASSIGNED = "unassigned"  # layer_type label of free large pages no layer type holds yet
 
