@@ -1,6 +1,7 @@
-"""Offline throughput of kvserve on Gemma 3 270M (CPU or GPU).
+"""Offline throughput of kvserve on Gemma 3 270M (CPU or GPU), or another --model.
 
     python benchmarks/offline_throughput.py fixed        # 32 x 128-token prompts, 128 out
+    python benchmarks/offline_throughput.py fixed --model smollm2
     python benchmarks/offline_throughput.py sharegpt     # ShareGPT vs transformers generate
     python benchmarks/offline_throughput.py step --num-prompts 100   # decode step, 100 running
     python benchmarks/offline_throughput.py capacity     # concurrent requests: jenga vs uniform
@@ -47,7 +48,7 @@ def warm(engine: LLMEngine) -> None:
 
 
 def load(args: argparse.Namespace, kv_memory: int) -> LLMEngine:
-    return LLMEngine.load(EngineConfig(kv_memory=kv_memory, dtype=args.dtype,
+    return LLMEngine.load(EngineConfig(model=args.model, kv_memory=kv_memory, dtype=args.dtype,
                                        quantization=args.quantization))
 
 
@@ -55,8 +56,10 @@ def fixed(args: argparse.Namespace) -> dict:
     engine = load(args, 1 << 30)
     warm(engine)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 200_000, (128,), generator=g).tolist() for _ in range(32)]
+    top = min(200_000, engine.config.vocab_size)
+    prompts = [torch.randint(10, top, (128,), generator=g).tolist() for _ in range(32)]
     return {"workload": "32 prompts x 128 tokens, 128 greedy output tokens, EOS ignored",
+            "model": args.model or "gemma3-270m",
             "dtype": str(engine.model.dtype), "quantization": engine.model.quantization,
             "device": str(engine.model.device), "cpu": summary(),
             "batch32": run_engine(engine, prompts, [128] * 32),
@@ -167,6 +170,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["fixed", "sharegpt", "step", "capacity"])
+    ap.add_argument("--model", default=None, help="as kvserve serve's --model")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     ap.add_argument("--num-prompts", type=int, default=64)
