@@ -7,7 +7,9 @@ call per layer that reads the pages in place (`kvserve.kernels.cpu`). The
 torch path (GPUs, or no C compiler) gathers pages instead: decode sequences
 in a few padded groups of similar length, two batched matmuls each; prefill
 chunks one sequence at a time through SDPA. Masks follow HF: a query at
-position p sees keys k <= p, and on sliding layers k > p - window.
+position p sees keys k <= p, and on sliding layers k > p - window. Softcapped
+layers (Gemma 2) always take the torch path, with eager scores in float32 where
+SDPA would run: neither the kernel nor SDPA can cap scores.
 """
 
 from __future__ import annotations
@@ -97,8 +99,9 @@ class PagedAttention:
     ) -> None:
         self.pool = pool
         self.bindings = list(bindings)
-        if any(b.chunk or b.softcap for b in self.bindings):
-            raise NotImplementedError("chunked attention and softcapping are not served yet")
+        if any(b.chunk for b in self.bindings):
+            raise NotImplementedError("chunked attention is not served yet")
+        self._softcapped = any(b.softcap is not None for b in self.bindings)
         self.T = block_size
         self.device = pool.device
         self._windows = sorted({(b.spec, b.window) for b in self.bindings})
@@ -125,6 +128,8 @@ class PagedAttention:
         self.writes = {spec: self._write_slots(spec, pos) for spec, _ in self._windows}
         if self.kernels:
             self._prepare_kernel(pos)
+            if self._softcapped:  # those layers' decode rows take the torch path
+                self._prepare_decode()
         else:
             self._prepare_gathers()
         return pos.to(self.device)
@@ -162,6 +167,9 @@ class PagedAttention:
     def _prepare_gathers(self) -> None:
         """The torch path: decode rows in length groups, prefill chunks one by one."""
         self._prepare_prefill()
+        self._prepare_decode()
+
+    def _prepare_decode(self) -> None:
         seqs, offsets = self.seqs, self.row_start
         self.decode_rows = [i for i, s in enumerate(seqs) if s.num_new == 1]
         groups = _length_groups(self.decode_rows, [s.start for s in seqs])
@@ -234,17 +242,20 @@ class PagedAttention:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         b = self.bindings[layer_idx]
-        self.scale = b.scale  # the layer's, read by every path below
+        self.scale, self.softcap = b.scale, b.softcap  # the layer's, read by every path below
         cache = self.pool.layer(b.spec, b.index)
         pages, offs = self.writes[b.spec]
         key = (b.spec, b.window)
         spread = self.spread if not b.window else []
+        if spread and b.softcap is not None:
+            raise NotImplementedError("DistAttention does not softcap scores")
         # Creditors start on their shards first, so they compute while this instance does.
         waits = [(i, self.seqs[i].remote.attend(b.index, q[self._rows(i)])) for i in spread]
         lse = torch.empty(q.shape[:2]) if spread and self.kernels else None
         if self.kernels:
             self.kernels.store_kv(cache, k, v, pages, offs)
-            out = self._kernel_attention(cache, q, key, lse)
+            out = (self._torch_attention(cache, q, key) if b.softcap is not None
+                   else self._kernel_attention(cache, q, key, lse))
         else:
             cache[pages, :, offs] = torch.stack((k, v), dim=1).to(cache.dtype)
             out = self._torch_attention(cache, q, key)
@@ -314,17 +325,27 @@ class PagedAttention:
         """One new token per sequence: q [B, Hq, D] -> [B, Hq, D], as two batched matmuls.
 
         With one query row per head, SDPA's flash kernel is ~3x slower on CPU than the
-        matmuls (which also suit GPUs at this size). Scores are rounded to the input
-        dtype, as in HF's eager attention; the softmax runs in float32.
+        matmuls (which also suit GPUs at this size).
         """
         B, Hq, D = q.shape
         keys, values = self._keys_values(cache, g, q.dtype)
         Hkv = keys.shape[2]
         qg = q.view(B, Hkv, Hq // Hkv, D)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float()
-        scores.mul_(self.scale).add_(g.bias(torch.float32))  # [B, Hkv, G, L]
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, values.transpose(1, 2)).view(B, Hq, D)
+        out = self._eager(qg, keys.transpose(1, 2), values.transpose(1, 2),
+                          g.bias(torch.float32))
+        return out.view(B, Hq, D)
+
+    def _eager(self, qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               bias: torch.Tensor) -> torch.Tensor:
+        """softmax(cap(q.k * scale) + bias) @ v, as HF's eager attention: qg [B, Hkv, R, D]
+        (R query rows per KV head), keys/values [B, Hkv, L, D], a float32 bias that
+        broadcasts to [B, Hkv, R, L]. Scores are rounded to the input dtype, then scaled,
+        capped (tanh(s / cap) * cap, where the layer says) and soft-maxed in float32."""
+        scores = torch.matmul(qg, keys.transpose(2, 3)).float().mul_(self.scale)
+        if self.softcap is not None:
+            scores.div_(self.softcap).tanh_().mul_(self.softcap)
+        probs = torch.softmax(scores.add_(bias), dim=-1).to(qg.dtype)
+        return torch.matmul(probs, values)
 
     def _prefill(self, cache: torch.Tensor, g: _Gather, q: torch.Tensor) -> torch.Tensor:
         """q [B, Q, Hq, D] -> [B, Q, Hq, D] over the gathered pages."""
@@ -336,7 +357,11 @@ class PagedAttention:
         # Grouped-query attention without copying K/V: the query heads that share
         # a KV head become extra query rows of that head.
         qg = q.view(B, Q, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Q, D)
-        mask = g.bias(q.dtype)
+        mask = g.bias(q.dtype if self.softcap is None else torch.float32)
         mask = mask.repeat(1, 1, group, 1) if group > 1 and Q > 1 else mask
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
+        if self.softcap is not None:  # SDPA cannot cap scores
+            out = self._eager(qg, keys, values, mask)
+        else:
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask,
+                                                 scale=self.scale)
         return out.view(B, Hkv, group, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, Hq, D)
