@@ -1,7 +1,10 @@
-"""Gemma 3 text decoder (the packaged default model).
+"""Gemma 3 text decoder (the packaged default model), and the pieces Gemma 2 shares.
 
 Interleaves sliding-window layers (local RoPE base) with global ones; RMSNorms are
 zero-centred (1 + w) and sandwich both sub-blocks; q and k are RMS-normed per head.
+Gemma 2 (models/gemma2.py) is this decoder without the q/k norms, with one RoPE base
+and with attention-logit softcapping: the config's `qk_norm`, `local_rope_scaling`
+and `attn_logit_softcapping` say which.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from kvserve.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     add_norm,
+    apply_rope,
     fuse_projections,
     norm_rope,
 )
@@ -48,6 +52,8 @@ class Gemma3Config(ModelConfig):
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
     hidden_activation: str = "gelu_pytorch_tanh"
+    qk_norm: bool = True  # per-head RMSNorm of q and k before RoPE (Gemma 2 has none)
+    attention_bias: bool = False
     family: str = "gemma3"
 
     def __post_init__(self) -> None:
@@ -62,8 +68,6 @@ class Gemma3Config(ModelConfig):
             raise ValueError(f"unknown layer type in {self.layer_types}")
         if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise NotImplementedError(f"activation {self.hidden_activation!r} is not supported")
-        if self.attn_logit_softcapping is not None:
-            raise NotImplementedError("Gemma 3 has no attention logit softcapping")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ("default", "linear"):
             raise NotImplementedError(f"rope scaling {rope_type!r} is not supported")
@@ -75,10 +79,16 @@ class Gemma3Config(ModelConfig):
     def attn_scale(self) -> float:
         return self.query_pre_attn_scalar**-0.5
 
+    @property
+    def local_rope_scaling(self) -> dict[str, Any] | None:
+        """The sliding layers' RoPE scaling: none in Gemma 3 (it scales the global RoPE)."""
+        return None
+
     def kv_layers(self) -> list[KVLayer]:
-        full = KVLayer(LayerKind.FULL, self.num_key_value_heads, self.head_dim, self.attn_scale)
-        sliding = KVLayer(LayerKind.SLIDING, self.num_key_value_heads, self.head_dim,
-                          self.attn_scale, window=self.sliding_window)
+        kv = (self.num_key_value_heads, self.head_dim, self.attn_scale)
+        cap = self.attn_logit_softcapping
+        full = KVLayer(LayerKind.FULL, *kv, softcap=cap)
+        sliding = KVLayer(LayerKind.SLIDING, *kv, window=self.sliding_window, softcap=cap)
         return [sliding if self.is_sliding(i) else full for i in range(self.num_hidden_layers)]
 
 
@@ -104,11 +114,12 @@ class Gemma3Attention(nn.Module):
         kv_out = self.n_kv_heads * self.head_dim
         # q, k and v in one matmul (one read of x, one call); adapt_state_dict fuses
         # the checkpoint's separate projections.
-        self.qkv_proj = Linear(hidden, q_out + 2 * kv_out)
-        self.o_proj = Linear(q_out, hidden)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
-        self.qk_scale = Derived(partial(_qk_scale, self.n_heads, self.n_kv_heads))
+        self.qkv_proj = Linear(hidden, q_out + 2 * kv_out, bias=config.attention_bias)
+        self.o_proj = Linear(q_out, hidden, bias=config.attention_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
+            self.qk_scale = Derived(partial(_qk_scale, self.n_heads, self.n_kv_heads))
 
     def forward(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend
@@ -118,8 +129,11 @@ class Gemma3Attention(nn.Module):
         # q and k heads sit side by side: norm and rotate them in one pass each (the same
         # per-head arithmetic as two passes, ~15 small ops fewer per layer).
         qk = qkv[:, : (self.n_heads + self.n_kv_heads) * D].view(n, -1, D)
-        scale = self.qk_scale.get(self.q_norm.weight, self.k_norm.weight)
-        qk = norm_rope(qk, scale, self.q_norm.eps, cos_sin, in_place=True)
+        if hasattr(self, "q_norm"):
+            scale = self.qk_scale.get(self.q_norm.weight, self.k_norm.weight)
+            qk = norm_rope(qk, scale, self.q_norm.eps, cos_sin, in_place=True)
+        else:  # Gemma 2
+            qk = apply_rope(qk, *cos_sin)
         q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)
         v = qkv[:, (self.n_heads + self.n_kv_heads) * D:].view(n, self.n_kv_heads, D)
         out = attn(self.layer_idx, q, k, v)
@@ -167,9 +181,12 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__(config)
         self.model = Gemma3Model(config)
         self.final_logit_softcapping = config.final_logit_softcapping
-        self.rope_local = RotaryEmbedding(config.head_dim, config.rope_local_base_freq)
-        self.rope_global = RotaryEmbedding(config.head_dim, config.rope_theta,
-                                           config.rope_scaling)
+        self.rope_local = RotaryEmbedding(config.head_dim, config.rope_local_base_freq,
+                                          config.local_rope_scaling)
+        same = (config.rope_local_base_freq, config.local_rope_scaling) == \
+            (config.rope_theta, config.rope_scaling)
+        self.rope_global = self.rope_local if same else RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling)
         self.embed_scale = math.sqrt(config.hidden_size)
 
     def forward(
@@ -179,7 +196,8 @@ class Gemma3ForCausalLM(CausalLM):
         # Scale in the weight dtype, as HF does (sqrt(640) rounds differently in bf16).
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
         local = self.rope_local.cos_sin(positions, x.dtype)
-        glob = self.rope_global.cos_sin(positions, x.dtype)
+        glob = (local if self.rope_global is self.rope_local
+                else self.rope_global.cos_sin(positions, x.dtype))
         for i, layer in enumerate(self.model.layers):
             x = layer(x, local if self.config.is_sliding(i) else glob, attn)
         return self.model.norm(x)
@@ -263,6 +281,7 @@ def config_from_hf(hf: Any) -> Gemma3Config:
         final_logit_softcapping=text.final_logit_softcapping,
         attn_logit_softcapping=text.attn_logit_softcapping,
         hidden_activation=text.hidden_activation,
+        attention_bias=bool(getattr(text, "attention_bias", False)),
     )
 
 
