@@ -34,10 +34,15 @@ class NoTokenizer:
 
 
 def perturb(model: torch.nn.Module, seed: int = 0) -> None:
-    """Give every parameter or buffer that holds one repeated value seeded noise."""
+    """Give every parameter or saved buffer that holds one repeated value seeded noise.
+
+    Buffers `save_pretrained` leaves out (Gemma's embed_scale) stay: perturbed, the
+    in-memory reference would no longer be the model on disk."""
     g = torch.Generator().manual_seed(seed)
+    saved = model.state_dict().keys()
+    buffers = [b for name, b in model.named_buffers() if name in saved]
     with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
+        for t in [*model.parameters(), *buffers]:
             if t.is_floating_point() and t.numel() > 0 and bool((t == t.flatten()[0]).all()):
                 t.add_(torch.randn(t.shape, generator=g) * 0.2)
 

@@ -1,0 +1,150 @@
+"""Gemma 2 (attention-logit and final-logit softcapping, alternating windows) against
+transformers.
+
+A tiny seeded random model saved and loaded back as an HF directory; a window of 8
+tokens and 4-token pages so prompts of 5-61 tokens cross windows and pages. Caps of 5
+(attention) and 3 (final) bite on random weights (HF's 50 / 30 barely would); the
+released models' caps run once too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_tiny import BASE, engine_greedy, hf_greedy, load_engine, random_prompts, save_tiny
+
+from kvserve.engine.request import SamplingParams
+from kvserve.memory.spec import LayerKind
+from kvserve.models.attention_ref import sequence_logits
+
+NEW = 12
+LENGTHS = [23, 5, 61, 40]
+WINDOW, PAGE = 8, 4
+
+
+def _save(directory, attn_cap: float | None, final_cap: float | None):
+    import transformers as tf
+
+    cfg = tf.Gemma2Config(**BASE, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16,
+                          sliding_window=WINDOW, attn_logit_softcapping=attn_cap,
+                          final_logit_softcapping=final_cap)
+    return save_tiny(cfg, tf.Gemma2ForCausalLM, directory)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gemma2")
+    hf = _save(directory, 5.0, 3.0)
+    prompts = random_prompts(LENGTHS)
+    return hf, directory, prompts, [hf_greedy(hf, p, NEW) for p in prompts]
+
+
+def _run(eng, prompts, ids):
+    """Greedy tokens and prompt tokens served from the prefix cache, per request."""
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, {"prompt_token_ids": p}, params)
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    return ([list(done[r].outputs[0].token_ids) for r in ids],
+            [done[r].num_cached_tokens for r in ids])
+
+
+def test_config_parsed_from_hf(tiny):
+    _, directory, _, _ = tiny
+    model = load_engine(directory).model
+    assert model.config.family == "gemma2"
+    assert [layer.kind for layer in model.kv_layers] == [LayerKind.SLIDING, LayerKind.FULL] * 2
+    assert all(layer.softcap == 5.0 and layer.scale == 16**-0.5 for layer in model.kv_layers)
+    assert all(layer.window == WINDOW for layer in model.kv_layers if layer.window)
+    assert model.final_logit_softcapping == 3.0
+    assert model.rope_global is model.rope_local  # one RoPE base
+    assert not hasattr(model.model.layers[0].self_attn, "q_norm")
+
+
+@torch.inference_mode()
+def test_logits_match_hf_and_the_caps_bite(tiny):
+    hf, directory, prompts, want = tiny
+    model = load_engine(directory).model
+    ids = prompts[2]
+    ref = hf(torch.tensor([ids])).logits[0]
+    ours = sequence_logits(model, ids)
+    assert ours.abs().max() < 3.0  # the final cap
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    # Without the attention cap transformers' own tokens change: serving the same tokens
+    # as transformers (the tests below) takes applying it.
+    for layer in hf.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    try:
+        assert [hf_greedy(hf, p, NEW) for p in prompts] != want
+    finally:
+        for layer in hf.model.layers:
+            layer.self_attn.attn_logit_softcapping = 5.0
+
+
+@pytest.mark.parametrize("kw", [
+    {},  # batched, compiled kernels (softcapped layers take the torch ops)
+    {"max_num_batched_tokens": 9},  # chunked prefill, several chunks per prompt
+    {"torch_attention": True},  # the GPU path: gathers and eager attention
+    {"torch_attention": True, "max_num_batched_tokens": 9},
+])
+def test_greedy_matches_hf(tiny, kw):
+    _, directory, prompts, want = tiny
+    torch_attention = kw.pop("torch_attention", False)
+    eng = load_engine(directory, **kw)
+    if torch_attention:
+        eng.runner.attn.kernels = None
+    assert engine_greedy(eng, prompts, NEW) == want
+
+
+def test_one_at_a_time_and_prefix_hit(tiny):
+    _, directory, prompts, want = tiny
+    eng = load_engine(directory)
+    for i, p in enumerate(prompts):
+        assert _run(eng, [p], [f"a{i}"])[0] == [want[i]]
+    # The same prompts again: served from the prefix cache, same tokens.
+    got, cached = _run(eng, prompts, ["b0", "b1", "b2", "b3"])
+    assert got == want
+    assert cached[2] > 0 and cached[3] > 0
+
+
+def test_preemption_keeps_tokens(tiny):
+    _, directory, prompts, want = tiny
+    specs = load_engine(directory).kv.layout.specs
+    per_token = sum(s.token_bytes() for s in specs)
+    eng = load_engine(directory, kv_memory=per_token * 50, max_num_seqs=4,
+                      max_num_batched_tokens=16)
+    assert engine_greedy(eng, prompts, NEW) == want
+    assert eng.scheduler.num_preemptions > 0
+
+
+def test_sliding_memory_is_bounded(tiny):
+    _, directory, prompts, _ = tiny
+    eng = load_engine(directory)
+    sliding = next(s for s in eng.kv.layout.specs if s.kind is LayerKind.SLIDING)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), {"prompt_token_ids": p}, params)
+    most = 0
+    while eng.has_unfinished():
+        eng.step()
+        used = {s.name: s.used for s in eng.kv.stats().specs}[sliding.name]
+        bound = len(eng.scheduler.running) * (WINDOW + PAGE) * sliding.token_bytes()
+        assert used <= bound
+        most = max(most, used)
+    assert most > 0
+
+
+@pytest.mark.slow
+def test_hf_default_caps(tmp_path):
+    # The released models' caps (50 / 30): the kernel and torch paths, chunked prefill.
+    hf = _save(tmp_path, 50.0, 30.0)
+    prompts = random_prompts(LENGTHS[:3], seed=2)
+    want = [hf_greedy(hf, p, NEW) for p in prompts]
+    assert engine_greedy(load_engine(tmp_path, max_num_batched_tokens=9), prompts, NEW) == want
+    eng = load_engine(tmp_path)
+    eng.runner.attn.kernels = None
+    assert engine_greedy(eng, prompts, NEW) == want
