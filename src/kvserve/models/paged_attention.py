@@ -8,6 +8,11 @@ torch path (GPUs, or no C compiler) gathers pages instead: decode sequences
 in a few padded groups of similar length, two batched matmuls each; prefill
 chunks one sequence at a time through SDPA. Masks follow HF: a query at
 position p sees keys k <= p, and on sliding layers k > p - window.
+
+State layers (Mamba) get their sequences' state pages from `states`: the live
+state page, and the memory core's pending copies turned into where to read the
+state (a prefix hit's checkpoint) and where to write it (checkpoints at their
+exact positions, the live page at the end).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.cpu import kernels_for
+from kvserve.models.base import StateSeq
 from kvserve.models.dist_attention import Partial, RemoteKV, merge, partial_attention
 from kvserve.physical.pool import KVPool
 
@@ -46,6 +52,8 @@ class SeqStep:
     # instances (`remote`); local full attention starts there and merges with theirs
     lent: int = 0
     remote: RemoteKV | None = None
+    # State specs: the memory core's pending copies, (position, page) (see `state_plan`)
+    pending: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -101,10 +109,12 @@ class PagedAttention:
             raise NotImplementedError("chunked attention and softcapping are not served yet")
         self.T = block_size
         self.device = pool.device
-        self._windows = sorted({(b.spec, b.window) for b in self.bindings})
+        self._windows = sorted({(b.spec, b.window) for b in self.bindings
+                                if b.spec in pool.views})
         views = [v for per_spec in pool.views.values() for v in per_spec]
         # The compiled CPU kernels, or None: torch ops (any device) do the same.
         self.kernels = kernels_for(views[0]) if len({v.dtype for v in views}) == 1 else None
+        self.state_plans: dict[str, list[StateSeq]] = {}
 
     # ----------------------------------------------------------------- prepare
 
@@ -122,6 +132,7 @@ class PagedAttention:
         self.spread_local = {key: {i: self._gather([self.seqs[i]], *key) for i in gathered}
                              for key in self._windows if key[1] == 0}
         pos = torch.cat([torch.arange(s.start, s.start + s.num_new) for s in seqs])
+        self.state_plans = {spec: state_plan(self.seqs, spec) for spec in self.pool.states}
         self.writes = {spec: self._write_slots(spec, pos) for spec, _ in self._windows}
         if self.kernels:
             self._prepare_kernel(pos)
@@ -227,6 +238,13 @@ class PagedAttention:
         if bool((released & mask).any()):
             raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
         return _Gather(pages.clamp_min(0).to(self.device), mask[:, None].to(self.device))
+
+    # ------------------------------------------------------------------ states
+
+    def states(self, layer_idx: int) -> tuple[list[StateSeq], tuple[torch.Tensor, ...]]:
+        """A state layer's sequences this step and its state tensors (AttentionBackend)."""
+        b = self.bindings[layer_idx]
+        return self.state_plans[b.spec], self.pool.state(b.spec, b.index)
 
     # ------------------------------------------------------------------- call
 
@@ -340,3 +358,31 @@ class PagedAttention:
         mask = mask.repeat(1, 1, group, 1) if group > 1 and Q > 1 else mask
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
         return out.view(B, Hkv, group, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, Hq, D)
+
+
+def state_plan(seqs: Sequence[SeqStep], spec: str) -> list[StateSeq]:
+    """The memory core's Mamba contract (layer_types.MambaState) as reads and writes.
+
+    A sequence's table is [live page]. Its pending (pos, page) copies: pos 0 restores
+    the live state from a cached checkpoint after a prefix hit, so this step reads from
+    that page instead of the live one (the first step after the hit; `advance` lets the
+    page go after it); pos > 0 snapshots the state after exactly pos tokens into page,
+    written here when this step computes token pos - 1. A sequence starting at 0 starts
+    from the zero state.
+    """
+    out, row = [], 0
+    for s in seqs:
+        live = s.tables[spec][0]
+        end = s.start + s.num_new
+        pending = s.pending.get(spec, [])
+        restore = [page for pos, page in pending if pos == 0]
+        source = restore[-1] if restore else live if s.start else None
+        writes: dict[int, list[int]] = {}
+        for pos, page in sorted(pending):
+            if s.start < pos <= end:
+                writes.setdefault(pos - s.start, []).append(page)
+        writes.setdefault(s.num_new, []).append(live)
+        out.append(StateSeq(slice(row, row + s.num_new), s.start, source,
+                            tuple((k, tuple(pages)) for k, pages in sorted(writes.items()))))
+        row += s.num_new
+    return out

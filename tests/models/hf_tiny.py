@@ -1,0 +1,92 @@
+"""Tiny seeded random models of every family, built from transformers' config classes.
+
+A random model is only a useful reference (../shared/notes/hf_hybrids.md) with
+initializer_range 0.2, untied embeddings and every constant parameter perturbed (zero
+gates, all-ones norms and zero biases would hide whole paths or weight-layout bugs).
+Each model is saved with `save_pretrained` and loaded back through kvserve's own
+loader (as an HF directory), so the config parsing and weight names are tested too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvserve.engine.engine import EngineConfig, LLMEngine
+from kvserve.engine.request import SamplingParams
+from kvserve.models.loader import _load_hf_dir, build_model
+
+VOCAB = 256
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
+            tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+class NoTokenizer:
+    """The engine's tokenizer for token-id prompts: ids are their own text."""
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+def perturb(model: torch.nn.Module, seed: int = 0) -> None:
+    """Give every parameter or buffer that holds one repeated value seeded noise."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.is_floating_point() and t.numel() > 0 and bool((t == t.flatten()[0]).all()):
+                t.add_(torch.randn(t.shape, generator=g) * 0.2)
+
+
+def save_tiny(hf_config, model_cls, directory: Path, seed: int = 0) -> torch.nn.Module:
+    """Build, perturb and save an HF model; returns it (float32, eval)."""
+    torch.manual_seed(seed)
+    model = model_cls(hf_config).eval()
+    perturb(model, seed)
+    model.save_pretrained(str(directory))
+    return model
+
+
+def load_engine(directory: Path, **cfg) -> LLMEngine:
+    """The HF directory through kvserve's loader into an engine (float32, small pages)."""
+    config, state_dict = _load_hf_dir(Path(directory))
+    model = build_model(config, state_dict)
+    args = dict(kv_memory=2 << 20, tokens_per_page=4, max_num_batched_tokens=64,
+                quantization="none", dtype="float32")
+    args.update(cfg)
+    return LLMEngine(model, NoTokenizer(), EngineConfig(**args))
+
+
+def engine_greedy(eng: LLMEngine, prompts: list[list[int]], max_tokens: int,
+                  ids: list[str] | None = None) -> list[list[int]]:
+    """All prompts added at once; greedy tokens of each (EOS ignored)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = ids or [str(i) for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, {"prompt_token_ids": p}, params)
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[rid] for rid in ids]
+
+
+@torch.inference_mode()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' own greedy generate, one prompt, EOS ignored (no stop token at all:
+    min_new_tokens would instead forbid EOS, changing the argmax)."""
+    model.generation_config.eos_token_id = None
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                         dtype=torch.long), max_new_tokens=max_tokens, do_sample=False,
+                         pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
