@@ -20,6 +20,7 @@ from hf_tiny import BASE, engine_greedy, hf_greedy, load_engine, random_prompts,
 
 from kvserve.engine.engine import EngineConfig, LLMEngine
 from kvserve.engine.request import SamplingParams
+from kvserve.engine.scheduler import Scheduled
 from kvserve.memory import LayerKind
 from kvserve.models.base import StateSeq
 from kvserve.models.mamba2 import ssd_scan
@@ -216,6 +217,25 @@ def test_memory_is_one_live_state_per_request_plus_checkpoints(tiny) -> None:
     # tokens), 32 of the second (45 + 16) and of the third (20 + 16, taken while decoding).
     assert len(eng.kv.alloc.specs[s].cached) == 4
     assert_nothing_held(eng)
+
+
+def test_a_failed_step_puts_live_states_back(tiny) -> None:
+    """DistAttention reruns a step whose creditor was lost: the states it updated in
+    place go back to what they were."""
+    eng = load_engine(tiny[0])
+    eng.add_request("a", {"prompt_token_ids": random_prompts([20])[0]}, GREEDY)
+    eng.step()  # the prompt: the request now decodes from its live state
+    (req,) = eng.scheduler.running
+    attn, s = eng.runner.attn, mamba_spec(eng)
+    assert eng.kv.allocate_slots("a", 1)
+    attn.prepare([eng.runner._seq_step(Scheduled(req, req.num_computed, 1))])
+    live = eng.kv.block_tables("a")[eng.kv.layout.specs[s].name][0]
+    pages = eng.runner.pool.pages(s)
+    before = pages[live].clone()
+    undo = attn.save_states()
+    pages[live] = 7
+    undo()
+    assert torch.equal(pages[live], before)
 
 
 def test_vtensor_backend_refuses_state_layers(tiny) -> None:

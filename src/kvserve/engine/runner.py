@@ -15,6 +15,7 @@ import torch
 from kvserve.engine.scheduler import Lender, Scheduled
 from kvserve.memory import KVCacheManager, KVSpec, LayerKind
 from kvserve.models.base import STATE_DTYPE, CausalLM, KVLayer
+from kvserve.models.dist_attention import RemoteKVLost
 from kvserve.models.paged_attention import LayerBinding, PagedAttention, SeqStep
 from kvserve.models.virtual_attention import VirtualAttention, VirtualSeq
 from kvserve.physical.pool import AttentionShape, KVPool, StateShape
@@ -127,8 +128,17 @@ class ModelRunner:
             positions = self.attn.prepare([self._seq_step(s) for s in batch])
         ids = [t for s, (start, n) in zip(batch, steps)
                for t in s.request.token_ids[start:start + n]]
-        hidden = self.model(torch.tensor(ids, device=self.model.device),
-                            positions.to(self.model.device), self.attn)
+        # A spread request's creditor may be lost midway: the step then runs again, and
+        # states updated in place must be as before it.
+        undo = (self.attn.save_states() if isinstance(self.attn, PagedAttention)
+                and self.attn.spread and self._state_specs else None)
+        try:
+            hidden = self.model(torch.tensor(ids, device=self.model.device),
+                                positions.to(self.model.device), self.attn)
+        except RemoteKVLost:
+            if undo is not None:
+                undo()
+            raise
         if isinstance(self.attn, VirtualAttention):
             self.attn.commit()
         ends, rows = 0, []

@@ -17,7 +17,7 @@ exact positions, the live page at the end).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -245,6 +245,24 @@ class PagedAttention:
         """A state layer's sequences this step and its state tensors (AttentionBackend)."""
         b = self.bindings[layer_idx]
         return self.state_plans[b.spec], self.pool.state(b.spec, b.index)
+
+    def save_states(self) -> Callable[[], None]:
+        """Copies of the live states this step updates in place; the returned call puts
+        them back, so a step that fails midway (a creditor lost) can run again. KV
+        writes need none: a rerun writes the same slots."""
+        saved = []
+        for spec, plan in self.state_plans.items():
+            live = [p.source for p in plan if p.source is not None
+                    and any(p.source in pages for _, pages in p.writes)]
+            if live:
+                pages = self.pool.pages(self.pool.layout.index(spec))
+                index = torch.tensor(live, device=pages.device)
+                saved.append((pages, index, pages.index_select(0, index)))
+
+        def restore() -> None:
+            for pages, index, rows in saved:
+                pages.index_copy_(0, index, rows)
+        return restore
 
     # ------------------------------------------------------------------- call
 
