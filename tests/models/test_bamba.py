@@ -22,7 +22,9 @@ from kvserve.engine.engine import EngineConfig, LLMEngine
 from kvserve.engine.request import SamplingParams
 from kvserve.engine.scheduler import Scheduled
 from kvserve.memory import LayerKind
+from kvserve.models.attention_ref import greedy_generate
 from kvserve.models.base import StateSeq
+from kvserve.models.loader import _load_hf_dir, build_model
 from kvserve.models.mamba2 import ssd_scan
 from kvserve.models.paged_attention import SeqStep, state_plan
 
@@ -31,7 +33,16 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 EVERY = 32  # checkpoint interval: 2 scan chunks of 16
 NEW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-LENGTHS = [5, 31, 32, 33, 70]  # 31 + 16 crosses a checkpoint while decoding
+LENGTHS = [1, 5, 31, 32, 33, 70, 130]  # 31 + 16 crosses a checkpoint while decoding
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: threads only contend (2 threads on 2 busy cores ran 30x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +114,14 @@ def test_state_plan_follows_the_memory_core() -> None:
         StateSeq(slice(50, 51), 95, 4, ((1, (6, 4)),)),
         StateSeq(slice(51, 52), 50, 8, ((1, (8,)),)),
     ]
+
+
+def test_reference_backend_serves_state_layers(tiny) -> None:
+    """The model alone over ContiguousAttention (states in plain tensors) equals HF."""
+    directory, hf = tiny
+    model = build_model(*_load_hf_dir(directory))
+    prompts = random_prompts([3, 40], seed=7)
+    assert greedy_generate(model, prompts, NEW) == [reference(hf, p) for p in prompts]
 
 
 # ------------------------------------------------------------------------ the engine
