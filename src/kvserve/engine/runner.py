@@ -14,23 +14,27 @@ import torch
 
 from kvserve.engine.scheduler import Lender, Scheduled
 from kvserve.memory import KVCacheManager, KVSpec, LayerKind
-from kvserve.models.base import CausalLM, KVLayer
+from kvserve.models.base import STATE_DTYPE, CausalLM, KVLayer
+from kvserve.models.dist_attention import RemoteKVLost
 from kvserve.models.paged_attention import LayerBinding, PagedAttention, SeqStep
 from kvserve.models.virtual_attention import VirtualAttention, VirtualSeq
-from kvserve.physical.pool import AttentionShape, KVPool
+from kvserve.physical.pool import AttentionShape, KVPool, StateShape
+
+Shapes = dict[str, AttentionShape | StateShape]
 
 
 def kv_specs(
     layers: Sequence[KVLayer], dtype: torch.dtype, full_history: bool = False
-) -> tuple[list[KVSpec], list[LayerBinding], dict[str, AttentionShape]]:
+) -> tuple[list[KVSpec], list[LayerBinding], Shapes]:
     """The memory core's specs for a model's layers, where each layer lives in them, and
-    each attention spec's per-layer KV shape.
+    each spec's per-layer shape (KV of attention specs, the state of state specs).
 
     Layers that share a rule and a shape share a spec (Jenga: one page holds a token of
-    every layer of its spec), named after the rule; a second spec of one kind (another
-    window or head size) gets a numbered name. With `full_history` (the vtensor backend,
-    which keeps every layer's whole history) attention layers are accounted as full
-    attention; their bindings keep their windows, which attention still applies.
+    every layer of its spec, or one sequence's state of every layer of a state spec),
+    named after the rule; a second spec of one kind (another window or head size) gets a
+    numbered name. With `full_history` (the vtensor backend, which keeps every layer's
+    whole history) attention layers are accounted as full attention; their bindings keep
+    their windows, which attention still applies.
     """
     specs: dict[tuple, KVSpec] = {}
     bindings, counts, shapes = [], {}, {}
@@ -38,21 +42,25 @@ def kv_specs(
         kind = LayerKind.FULL if full_history and layer.attends else layer.kind
         key = (kind, layer.window if kind is LayerKind.SLIDING else 0,
                layer.chunk if kind is LayerKind.CHUNKED else 0,
-               layer.kv_heads, layer.head_dim, layer.state_bytes)
+               layer.kv_heads, layer.head_dim, layer.state, layer.checkpoint_every)
         if key not in specs:
             n = sum(1 for k in specs if k[0] is kind)
+            every = {"checkpoint_every": layer.checkpoint_every} if layer.checkpoint_every else {}
             specs[key] = KVSpec(kind.value if n == 0 else f"{kind.value}-{n + 1}", kind, 1, 1,
-                                window=key[1], chunk=key[2])
+                                window=key[1], chunk=key[2], **every)
         name = specs[key].name
         counts[name] = counts.get(name, 0) + 1
         bindings.append(LayerBinding(name, counts[name] - 1, layer.window, layer.chunk,
                                      layer.scale, layer.softcap))
         if layer.attends:
             shapes[name] = AttentionShape(layer.kv_heads, layer.head_dim, dtype)
+        else:
+            shapes[name] = StateShape(layer.state, STATE_DTYPE)
     out = []
-    for key, spec in specs.items():
-        per_token = (shapes[spec.name].bytes_per_token() if spec.name in shapes
-                     else key[5])
+    for spec in specs.values():
+        shape = shapes[spec.name]
+        per_token = (shape.bytes_per_token() if isinstance(shape, AttentionShape)
+                     else shape.bytes())
         out.append(replace(spec, num_layers=counts[spec.name], bytes_per_token=per_token))
     return out, bindings, shapes
 
@@ -66,9 +74,11 @@ def check_kv_backend(name: str) -> str:
     return name
 
 
-def vtensor_shape(shapes: dict[str, AttentionShape],
-                  bindings: Sequence[LayerBinding]) -> AttentionShape:
+def vtensor_shape(shapes: Shapes, bindings: Sequence[LayerBinding]) -> AttentionShape:
     """The one KV shape the vtensor backend serves; it refuses what it cannot (yet) run."""
+    if any(isinstance(s, StateShape) for s in shapes.values()):
+        raise ValueError("kv_backend 'vtensor' keeps attention KV only, not the recurrent "
+                         "state of Mamba layers; use kv_backend 'paged'")
     if len(set(shapes.values())) != 1 or len(shapes) != len({b.spec for b in bindings}):
         raise ValueError("kv_backend 'vtensor' serves attention-only models with one KV shape; "
                          "use kv_backend 'paged'")
@@ -81,7 +91,7 @@ def vtensor_shape(shapes: dict[str, AttentionShape],
 class ModelRunner:
     def __init__(
         self, model: CausalLM, kv: KVCacheManager, bindings: Sequence[LayerBinding],
-        shapes: dict[str, AttentionShape], kv_backend: str = "paged",
+        shapes: Shapes, kv_backend: str = "paged",
         kv_bytes: int | None = None,
     ) -> None:
         """`kv_bytes`: the vtensor pool's physical ceiling (default: the memory core's pool)."""
@@ -100,6 +110,9 @@ class ModelRunner:
         else:
             self.pool = KVPool(kv.layout, kv.num_large_pages, shapes, model.device)
             self.attn = PagedAttention(self.pool, bindings, kv.T)
+        # State specs (Mamba): each step hands their layers the memory core's pending
+        # snapshots and restores (`KVCacheManager.pending_copies`) with the page tables.
+        self._state_specs = [name for name, s in shapes.items() if isinstance(s, StateShape)]
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[Scheduled]) -> torch.Tensor:
@@ -115,8 +128,17 @@ class ModelRunner:
             positions = self.attn.prepare([self._seq_step(s) for s in batch])
         ids = [t for s, (start, n) in zip(batch, steps)
                for t in s.request.token_ids[start:start + n]]
-        hidden = self.model(torch.tensor(ids, device=self.model.device),
-                            positions.to(self.model.device), self.attn)
+        # A spread request's creditor may be lost midway: the step then runs again, and
+        # states updated in place must be as before it.
+        undo = (self.attn.save_states() if isinstance(self.attn, PagedAttention)
+                and self.attn.spread and self._state_specs else None)
+        try:
+            hidden = self.model(torch.tensor(ids, device=self.model.device),
+                                positions.to(self.model.device), self.attn)
+        except RemoteKVLost:
+            if undo is not None:
+                undo()
+            raise
         if isinstance(self.attn, VirtualAttention):
             self.attn.commit()
         ends, rows = 0, []
@@ -130,7 +152,8 @@ class ModelRunner:
         rid = s.request.request_id
         lent = self.kv.lent(rid)  # DistAttention: leading full-attention KV lent out
         remote = self.lender.remote(rid) if lent else None
-        return SeqStep(s.start, s.num_tokens, self.kv.block_tables(rid), lent, remote)
+        pending = {name: self.kv.pending_copies(rid, name) for name in self._state_specs}
+        return SeqStep(s.start, s.num_tokens, self.kv.block_tables(rid), lent, remote, pending)
 
     def retain(self, running: Sequence[object]) -> None:
         """The scheduler's running requests after a schedule: vTensors of the rest go."""

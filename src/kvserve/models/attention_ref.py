@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.models.base import CausalLM, KVLayer
+from kvserve.models.base import STATE_DTYPE, CausalLM, KVLayer, StateSeq
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class ContiguousAttention:
     prefill). Masking follows HF: a query at position p sees keys at positions k with
     ``k <= p``, on sliding layers ``k > p - window``, on chunked layers
     ``k >= p // chunk * chunk``; scores are soft-capped before the mask where the layer
-    says so.
+    says so. A state layer's states sit in one tensor per layer and state part, a row per
+    sequence (`states`).
     """
 
     def __init__(self, layers: Sequence[KVLayer], device: torch.device | str = "cpu") -> None:
@@ -44,6 +45,8 @@ class ContiguousAttention:
         self._v: list[dict[Hashable, torch.Tensor]] = [{} for _ in self.layers]
         self._lens: dict[Hashable, int] = {}
         self._batch: list[_Slot] = []
+        self._rows: dict[Hashable, int] = {}  # each sequence's row of the state tensors
+        self._states: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def seq_len(self, seq_id: Hashable) -> int:
         return self._lens.get(seq_id, 0)
@@ -66,6 +69,7 @@ class ContiguousAttention:
 
     def free(self, seq_id: Hashable) -> None:
         self._lens.pop(seq_id, None)
+        self._rows.pop(seq_id, None)
         for per_layer in (*self._k, *self._v):
             per_layer.pop(seq_id, None)
 
@@ -81,6 +85,27 @@ class ContiguousAttention:
             keys, values = self._append(layer_idx, slot, k[rows], v[rows])
             out[rows] = self._attend(layer_idx, slot, q[rows], keys, values)
         return out
+
+    def states(self, layer_idx: int) -> tuple[list[StateSeq], tuple[torch.Tensor, ...]]:
+        """A state layer's sequences this step: each reads and writes its own row."""
+        for slot in self._batch:
+            if slot.seq_id not in self._rows:
+                self._rows[slot.seq_id] = max(self._rows.values(), default=-1) + 1
+        need = max(self._rows.values()) + 1
+        shapes = self.layers[layer_idx].state
+        have = self._states.get(layer_idx)
+        if have is None or have[0].shape[0] < need:
+            grown = tuple(torch.zeros(2 * need, *shape, dtype=STATE_DTYPE, device=self.device)
+                          for shape in shapes)
+            for new, old in zip(grown, have or ()):
+                new[:old.shape[0]] = old
+            self._states[layer_idx] = have = grown
+        seqs = []
+        for slot in self._batch:
+            row = self._rows[slot.seq_id]
+            seqs.append(StateSeq(slice(slot.start, slot.start + slot.num_new), slot.past_len,
+                                 row if slot.past_len else None, ((slot.num_new, (row,)),)))
+        return seqs, have
 
     def _append(
         self, layer_idx: int, slot: _Slot, k: torch.Tensor, v: torch.Tensor

@@ -10,7 +10,8 @@ plus a line in models/registry.py.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
@@ -23,14 +24,22 @@ from kvserve.models.quant import QuantLinear, quantize_linears
 
 C = TypeVar("C", bound="ModelConfig")
 
+# The dtype of state layers' states in the pool, whatever the model's: a Mamba state is a
+# running sum over the whole sequence, and HF keeps its SSM state in float32 too (its conv
+# state in the model's dtype, whose values float32 holds exactly).
+STATE_DTYPE = torch.float32
+
 
 @dataclass(frozen=True)
 class KVLayer:
     """One decoder layer as the memory core and the attention backends see it.
 
     Attention layers (FULL, SLIDING, CHUNKED) keep K and V of `kv_heads` x `head_dim`
-    per token; a MAMBA layer keeps one recurrent state of `state_bytes` (at the
-    model's dtype) per sequence and never calls the attention backend.
+    per token; a MAMBA layer keeps one recurrent state per sequence, the `STATE_DTYPE`
+    tensors of shapes `state` (`state_bytes` in all), reads and writes it through the
+    backend's `states` and never calls the attention backend. Its checkpoints (copies of
+    the state every `checkpoint_every` tokens, what prefix hits restore) are the memory
+    core's; 0 leaves the interval to it.
     """
 
     kind: LayerKind
@@ -40,11 +49,18 @@ class KVLayer:
     window: int = 0  # SLIDING: a query at p sees keys > p - window (HF counts p itself)
     chunk: int = 0  # CHUNKED: a query at p sees keys from p // chunk * chunk
     softcap: float | None = None  # scores -> tanh(scores / cap) * cap before the mask
-    state_bytes: int = 0  # MAMBA: bytes of one sequence's state of this layer
+    state: tuple[tuple[int, ...], ...] = ()  # MAMBA: shapes of one sequence's state
+    checkpoint_every: int = 0  # MAMBA: tokens between cached checkpoints (0: default)
 
     @property
     def attends(self) -> bool:
         return self.kind is not LayerKind.MAMBA
+
+    @property
+    def state_bytes(self) -> int:
+        """MAMBA: bytes of one sequence's state of this layer."""
+        item = torch.empty((), dtype=STATE_DTYPE).element_size()
+        return item * sum(math.prod(shape) for shape in self.state)
 
 
 @dataclass
@@ -87,19 +103,50 @@ class ModelConfig:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+@dataclass(frozen=True)
+class StateSeq:
+    """One sequence's part of a step in a state (MAMBA) layer.
+
+    Its tokens are rows `rows` of the flattened batch, at positions `start`, `start + 1`, ..
+    The state before them is in page `source` (None: the zero state of a fresh sequence).
+    `writes` lists (k, pages) in ascending k: the state after the first k of its tokens
+    goes into each of those pages. The last entry is k = all its tokens, with the
+    sequence's live page; earlier ones (and extra pages at the last k) are checkpoints,
+    which must hold the state at exactly that position.
+    """
+
+    rows: slice
+    start: int
+    source: int | None
+    writes: tuple[tuple[int, tuple[int, ...]], ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows.stop - self.rows.start
+
+
 class AttentionBackend(Protocol):
-    """Attention over the flattened batch; owns the KV cache.
+    """Attention over the flattened batch; owns the KV cache and the layers' states.
 
     Called once per attention layer with this step's q [num_tokens, n_heads, head_dim]
     and k/v [num_tokens, n_kv_heads, head_dim] (already normed and rotated). It must
     store k/v, attend each query to its own sequence's keys as the model's
     `kv_layers[layer_idx]` says (causal, window, chunk, scale, softcap) and return
     [num_tokens, n_heads, head_dim].
+
+    A state layer (kind MAMBA) instead calls `states(layer_idx)` once per step.
     """
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor: ...
+
+    def states(self, layer_idx: int) -> tuple[Sequence[StateSeq], tuple[torch.Tensor, ...]]:
+        """This step's sequences (`StateSeq`, in batch order) and the layer's state
+        tensors, one per shape of `KVLayer.state`, each [num_pages, *shape]
+        (`STATE_DTYPE`) and indexed by the pages the sequences name. The layer reads
+        each sequence's `source` and writes every page of its `writes`."""
+        ...
 
 
 class CausalLM(nn.Module):

@@ -10,17 +10,23 @@ chunks one sequence at a time through SDPA. Masks follow HF: a query at
 position p sees keys k <= p, and on sliding layers k > p - window. Softcapped
 layers (Gemma 2) always take the torch path, with eager scores in float32 where
 SDPA would run: neither the kernel nor SDPA can cap scores.
+
+State layers (Mamba) get their sequences' state pages from `states`: the live
+state page, and the memory core's pending copies turned into where to read the
+state (a prefix hit's checkpoint) and where to write it (checkpoints at their
+exact positions, the live page at the end).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.cpu import kernels_for
+from kvserve.models.base import StateSeq
 from kvserve.models.dist_attention import Partial, RemoteKV, merge, partial_attention
 from kvserve.physical.pool import KVPool
 
@@ -48,6 +54,8 @@ class SeqStep:
     # instances (`remote`); local full attention starts there and merges with theirs
     lent: int = 0
     remote: RemoteKV | None = None
+    # State specs: the memory core's pending copies, (position, page) (see `state_plan`)
+    pending: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -104,10 +112,12 @@ class PagedAttention:
         self._softcapped = any(b.softcap is not None for b in self.bindings)
         self.T = block_size
         self.device = pool.device
-        self._windows = sorted({(b.spec, b.window) for b in self.bindings})
+        self._windows = sorted({(b.spec, b.window) for b in self.bindings
+                                if b.spec in pool.views})
         views = [v for per_spec in pool.views.values() for v in per_spec]
         # The compiled CPU kernels, or None: torch ops (any device) do the same.
         self.kernels = kernels_for(views[0]) if len({v.dtype for v in views}) == 1 else None
+        self.state_plans: dict[str, list[StateSeq]] = {}
 
     # ----------------------------------------------------------------- prepare
 
@@ -125,6 +135,7 @@ class PagedAttention:
         self.spread_local = {key: {i: self._gather([self.seqs[i]], *key) for i in gathered}
                              for key in self._windows if key[1] == 0}
         pos = torch.cat([torch.arange(s.start, s.start + s.num_new) for s in seqs])
+        self.state_plans = {spec: state_plan(self.seqs, spec) for spec in self.pool.states}
         self.writes = {spec: self._write_slots(spec, pos) for spec, _ in self._windows}
         if self.kernels:
             self._prepare_kernel(pos)
@@ -235,6 +246,31 @@ class PagedAttention:
         if bool((released & mask).any()):
             raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
         return _Gather(pages.clamp_min(0).to(self.device), mask[:, None].to(self.device))
+
+    # ------------------------------------------------------------------ states
+
+    def states(self, layer_idx: int) -> tuple[list[StateSeq], tuple[torch.Tensor, ...]]:
+        """A state layer's sequences this step and its state tensors (AttentionBackend)."""
+        b = self.bindings[layer_idx]
+        return self.state_plans[b.spec], self.pool.state(b.spec, b.index)
+
+    def save_states(self) -> Callable[[], None]:
+        """Copies of the live states this step updates in place; the returned call puts
+        them back, so a step that fails midway (a creditor lost) can run again. KV
+        writes need none: a rerun writes the same slots."""
+        saved = []
+        for spec, plan in self.state_plans.items():
+            live = [p.source for p in plan if p.source is not None
+                    and any(p.source in pages for _, pages in p.writes)]
+            if live:
+                pages = self.pool.pages(self.pool.layout.index(spec))
+                index = torch.tensor(live, device=pages.device)
+                saved.append((pages, index, pages.index_select(0, index)))
+
+        def restore() -> None:
+            for pages, index, rows in saved:
+                pages.index_copy_(0, index, rows)
+        return restore
 
     # ------------------------------------------------------------------- call
 
@@ -365,3 +401,31 @@ class PagedAttention:
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask,
                                                  scale=self.scale)
         return out.view(B, Hkv, group, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, Hq, D)
+
+
+def state_plan(seqs: Sequence[SeqStep], spec: str) -> list[StateSeq]:
+    """The memory core's Mamba contract (layer_types.MambaState) as reads and writes.
+
+    A sequence's table is [live page]. Its pending (pos, page) copies: pos 0 restores
+    the live state from a cached checkpoint after a prefix hit, so this step reads from
+    that page instead of the live one (the first step after the hit; `advance` lets the
+    page go after it); pos > 0 snapshots the state after exactly pos tokens into page,
+    written here when this step computes token pos - 1. A sequence starting at 0 starts
+    from the zero state.
+    """
+    out, row = [], 0
+    for s in seqs:
+        live = s.tables[spec][0]
+        end = s.start + s.num_new
+        pending = s.pending.get(spec, [])
+        restore = [page for pos, page in pending if pos == 0]
+        source = restore[-1] if restore else live if s.start else None
+        writes: dict[int, list[int]] = {}
+        for pos, page in sorted(pending):
+            if s.start < pos <= end:
+                writes.setdefault(pos - s.start, []).append(page)
+        writes.setdefault(s.num_new, []).append(live)
+        out.append(StateSeq(slice(row, row + s.num_new), s.start, source,
+                            tuple((k, tuple(pages)) for k, pages in sorted(writes.items()))))
+        row += s.num_new
+    return out

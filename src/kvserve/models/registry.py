@@ -38,6 +38,7 @@ FAMILIES = (
     Family("llama", "kvserve.models.llama",
            ("LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM",
             "Qwen2ForCausalLM", "Qwen3ForCausalLM"), ("llama", "qwen2", "qwen3")),
+    Family("bamba", "kvserve.models.bamba", ("BambaForCausalLM",)),
 )
 
 

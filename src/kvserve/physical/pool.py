@@ -8,10 +8,15 @@ inside each page, so kernels index it by page id as if it were a plain
 per-layer paged cache (Jenga §4.2: start pointer + page stride). K and V are
 separate blocks of a page so that gathering a sequence's keys (or values)
 yields one contiguous [tokens, kv_heads, head_dim] tensor.
+
+A state spec (Mamba) has no tokens: its page holds one sequence's state of every
+layer of the spec, [layer, part...], each layer's parts (a Mamba layer's conv and SSM
+states) one after the other; a part's view is [num_pages, *part shape].
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +37,18 @@ class AttentionShape:
         return 2 * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
 
 
+@dataclass(frozen=True)
+class StateShape:
+    """Per-layer state of a state spec: the shapes of its tensors, in `dtype`."""
+
+    parts: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+
+    def bytes(self) -> int:
+        """One sequence's state of one layer."""
+        return _itemsize(self.dtype) * sum(math.prod(p) for p in self.parts)
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -40,18 +57,22 @@ class KVPool:
     """The byte pool plus a per-layer view for every layer of every spec."""
 
     def __init__(
-        self, layout: Layout, num_large_pages: int, shapes: dict[str, AttentionShape],
-        device: torch.device | str = "cpu",
+        self, layout: Layout, num_large_pages: int,
+        shapes: dict[str, AttentionShape | StateShape], device: torch.device | str = "cpu",
     ) -> None:
         self.layout = layout
         self.device = torch.device(device)
         self.buffer = torch.zeros(
             num_large_pages * layout.large_page_bytes, dtype=torch.uint8, device=self.device
         )
-        self.views: dict[str, list[torch.Tensor]] = {}
+        self.views: dict[str, list[torch.Tensor]] = {}  # attention specs
+        self.states: dict[str, list[tuple[torch.Tensor, ...]]] = {}  # state specs
         for s, spec in enumerate(layout.specs):
-            if spec.name in shapes:
-                self.views[spec.name] = self._spec_views(s, shapes[spec.name], num_large_pages)
+            shape = shapes.get(spec.name)
+            if isinstance(shape, StateShape):
+                self.states[spec.name] = self._state_views(s, shape, num_large_pages)
+            elif shape is not None:
+                self.views[spec.name] = self._spec_views(s, shape, num_large_pages)
 
     def _spec_views(self, s: int, shape: AttentionShape, num_large: int) -> list[torch.Tensor]:
         spec, T = self.layout.specs[s], self.layout.tokens_per_page
@@ -74,6 +95,33 @@ class KVPool:
             (per_page, 2 * T * token, T * token, token, shape.head_dim, 1),
         )
         return [typed[:, j] for j in range(spec.num_layers)]
+
+    def _state_views(self, s: int, shape: StateShape,
+                     num_large: int) -> list[tuple[torch.Tensor, ...]]:
+        spec, page_bytes = self.layout.specs[s], self.layout.page_bytes[s]
+        if spec.bytes_per_token != shape.bytes():
+            raise ValueError(f"spec {spec.name!r} says {spec.bytes_per_token} B per layer but "
+                             f"its state shape needs {shape.bytes()} B")
+        item = _itemsize(shape.dtype)
+        if page_bytes % item or self.buffer.data_ptr() % item:
+            raise ValueError(f"spec {spec.name!r}: pages of {page_bytes} B do not align "
+                             f"to its state dtype {shape.dtype}")
+        num_pages = num_large * self.layout.pages_per_large[s]
+        used = self.buffer.view(num_pages, page_bytes)[:, : spec.page_bytes(0)]
+        typed = used.view(shape.dtype).view(num_pages, spec.num_layers, -1)
+        out = []
+        for j in range(spec.num_layers):
+            parts, offset = [], 0
+            for part in shape.parts:
+                n = math.prod(part)
+                parts.append(typed[:, j, offset:offset + n].unflatten(1, part))
+                offset += n
+            out.append(tuple(parts))
+        return out
+
+    def state(self, spec_name: str, index: int) -> tuple[torch.Tensor, ...]:
+        """Views [num_pages, *part] of one layer's state tensors of a state spec."""
+        return self.states[spec_name][index]
 
     def pages(self, s: int) -> torch.Tensor:
         """[num_pages, page_bytes] bytes of spec s: one row holds a page of every layer."""
