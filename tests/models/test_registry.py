@@ -52,7 +52,7 @@ def test_specs_group_layers_by_kind_and_shape():
     layers = [KVLayer(LayerKind.SLIDING, 2, 16, 0.25, window=8), full,
               KVLayer(LayerKind.SLIDING, 2, 16, 0.25, window=32),
               KVLayer(LayerKind.SLIDING, 2, 16, 0.25, window=8), full,
-              KVLayer(LayerKind.MAMBA, state_bytes=4096)]
+              KVLayer(LayerKind.MAMBA, state=((4, 256),))]
     specs, bindings, shapes = kv_specs(layers, torch.float32)
     by_name = {s.name: s for s in specs}
     assert [(s.name, s.kind, s.num_layers) for s in specs] == [
@@ -63,7 +63,7 @@ def test_specs_group_layers_by_kind_and_shape():
     assert [(b.spec, b.index) for b in bindings] == [
         ("sliding", 0), ("full", 0), ("sliding-2", 0), ("sliding", 1), ("full", 1),
         ("mamba", 0)]
-    assert set(shapes) == {"sliding", "full", "sliding-2"}
+    assert set(shapes) == {"sliding", "full", "sliding-2", "mamba"}
     # The vtensor backend keeps every attention layer's history: all full, windows kept.
     specs, bindings, _ = kv_specs(layers[:5], torch.float32, full_history=True)
     assert [(s.name, s.num_layers) for s in specs] == [("full", 5)]
