@@ -215,6 +215,16 @@ class RotaryEmbedding:
         return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
+def pairs_to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows (or bias entries) of a q or k projection whose heads rotate adjacent channel pairs
+    (2i, 2i + 1), as a complex multiplication (HF Llama 4, llama.cpp's Llama), reordered so
+    each head rotates halves (i, D/2 + i) instead: `RotaryEmbedding`'s rotate-half RoPE then
+    computes the same rotation. q and k reordered alike leave every q.k unchanged, and the
+    RMS of a head ignores channel order."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1] = roll(x) * [-1, 1].
 

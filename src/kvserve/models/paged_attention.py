@@ -7,7 +7,8 @@ call per layer that reads the pages in place (`kvserve.kernels.cpu`). The
 torch path (GPUs, or no C compiler) gathers pages instead: decode sequences
 in a few padded groups of similar length, two batched matmuls each; prefill
 chunks one sequence at a time through SDPA. Masks follow HF: a query at
-position p sees keys k <= p, and on sliding layers k > p - window. Softcapped
+position p sees keys k <= p, on sliding layers k > p - window and on chunked
+layers (Llama 4) k >= p // chunk * chunk. Softcapped
 layers (Gemma 2) always take the torch path, with eager scores in float32 where
 SDPA would run: neither the kernel nor SDPA can cap scores.
 
@@ -95,9 +96,11 @@ def _length_groups(rows: list[int], lengths: list[int], per_group: int = 16,
     return [ordered[i:i + size] for i in range(0, len(ordered), size)]
 
 
-def first_key(start: int, window: int) -> int:
+def first_key(start: int, window: int, chunk: int = 0) -> int:
     """The lowest key any query of a chunk starting at `start` sees (its first query's;
-    HF's window counts the query itself)."""
+    HF's window counts the query itself; a chunked layer's query sees its own chunk)."""
+    if chunk:
+        return start // chunk * chunk
     return max(0, start - window + 1) if window else 0
 
 
@@ -107,12 +110,11 @@ class PagedAttention:
     ) -> None:
         self.pool = pool
         self.bindings = list(bindings)
-        if any(b.chunk for b in self.bindings):
-            raise NotImplementedError("chunked attention is not served yet")
         self._softcapped = any(b.softcap is not None for b in self.bindings)
         self.T = block_size
         self.device = pool.device
-        self._windows = sorted({(b.spec, b.window) for b in self.bindings
+        # What a layer reads, per (spec, window, chunk); (spec, 0, 0) is full attention.
+        self._windows = sorted({(b.spec, b.window, b.chunk) for b in self.bindings
                                 if b.spec in pool.views})
         views = [v for per_spec in pool.views.values() for v in per_spec]
         # The compiled CPU kernels, or None: torch ops (any device) do the same.
@@ -133,10 +135,10 @@ class PagedAttention:
         # (the kernel's decode rows bring their own log-sum-exp: no gather for those)
         gathered = [i for i in self.spread if not self.kernels or self.seqs[i].num_new > 1]
         self.spread_local = {key: {i: self._gather([self.seqs[i]], *key) for i in gathered}
-                             for key in self._windows if key[1] == 0}
+                             for key in self._windows if key[1:] == (0, 0)}
         pos = torch.cat([torch.arange(s.start, s.start + s.num_new) for s in seqs])
         self.state_plans = {spec: state_plan(self.seqs, spec) for spec in self.pool.states}
-        self.writes = {spec: self._write_slots(spec, pos) for spec, _ in self._windows}
+        self.writes = {spec: self._write_slots(spec, pos) for spec, *_ in self._windows}
         if self.kernels:
             self._prepare_kernel(pos)
             if self._softcapped:  # those layers' decode rows take the torch path
@@ -199,15 +201,15 @@ class PagedAttention:
             raise RuntimeError(f"spec {spec!r}: a new token has no page")
         return (torch.tensor(pages, device=self.device), (pos % self.T).to(self.device))
 
-    def _key_ranges(self, pos: torch.Tensor, spec: str,
-                    window: int) -> tuple[torch.Tensor, ...]:
+    def _key_ranges(self, pos: torch.Tensor, spec: str, window: int,
+                    chunk: int) -> tuple[torch.Tensor, ...]:
         """For the kernel: the sequences' page tables [S, P], and for every query row its
         sequence, first visible key and number of keys (int32)."""
         T, seqs = self.T, self.seqs
         rows = []
         for s in seqs:
             table = s.tables[spec][:-(-(s.start + s.num_new) // T)]
-            first = first_key(s.start, window) if window else s.lent
+            first = first_key(s.start, window, chunk) if window or chunk else s.lent
             if min(table[first // T:]) < 0:
                 raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
             rows.append(table)
@@ -216,23 +218,27 @@ class PagedAttention:
         tables = torch.tensor([r + [0] * (P - len(r)) for r in rows], dtype=torch.int32)
         seq = torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32),
                                       torch.tensor([s.num_new for s in seqs]))
-        if window:
+        if chunk:
+            lo = pos // chunk * chunk
+        elif window:
             lo = (pos - window + 1).clamp_min(0)
         else:  # full attention: from the first key held here
             lo = torch.tensor([s.lent for s in seqs])[seq.long()]
         return (tables.clamp_min(0), seq, lo.int(), (pos + 1 - lo).int())
 
-    def _gather(self, group: Sequence[SeqStep], spec: str, window: int) -> _Gather:
+    def _gather(self, group: Sequence[SeqStep], spec: str, window: int,
+                chunk: int = 0) -> _Gather:
         """Gather whole pages (one index per page, not per token); the mask trims them."""
         T = self.T
         q_len = max(s.num_new for s in group)
-        firsts = [(first_key(s.start, window) if window else s.lent) // T for s in group]
+        firsts = [(first_key(s.start, window, chunk) if window or chunk else s.lent) // T
+                  for s in group]
         lasts = [-(-(s.start + s.num_new) // T) for s in group]
         P = max(last - first for first, last in zip(firsts, lasts))
         rows = []
         for s, first, last in zip(group, firsts, lasts):
             pages = s.tables[spec][first:last]
-            if min(pages) < 0 and window == 0:
+            if min(pages) < 0 and not (window or chunk):
                 raise RuntimeError(f"spec {spec!r}: a needed page was released")
             rows.append(pages + [0] * (P - len(pages)))
         key_pos = torch.tensor(firsts)[:, None] * T + torch.arange(P * T)[None, :]
@@ -240,6 +246,8 @@ class PagedAttention:
         mask = key_pos[:, None, :] <= q_pos[:, :, None]  # causal; also drops padding pages
         if window:
             mask &= key_pos[:, None, :] > q_pos[:, :, None] - window
+        if chunk:
+            mask &= key_pos[:, None, :] >= q_pos[:, :, None] // chunk * chunk
         pages = torch.tensor(rows)
         # A released page (-1) may only sit where the window already masks it out.
         released = (pages < 0).repeat_interleave(T, dim=1)[:, None, :]
@@ -281,8 +289,8 @@ class PagedAttention:
         self.scale, self.softcap = b.scale, b.softcap  # the layer's, read by every path below
         cache = self.pool.layer(b.spec, b.index)
         pages, offs = self.writes[b.spec]
-        key = (b.spec, b.window)
-        spread = self.spread if not b.window else []
+        key = (b.spec, b.window, b.chunk)
+        spread = self.spread if not (b.window or b.chunk) else []
         if spread and b.softcap is not None:
             raise NotImplementedError("DistAttention does not softcap scores")
         # Creditors start on their shards first, so they compute while this instance does.
@@ -307,8 +315,8 @@ class PagedAttention:
     def _rows(self, i: int) -> slice:
         return slice(self.row_start[i], self.row_start[i + 1])
 
-    def _kernel_attention(self, cache: torch.Tensor, q: torch.Tensor, key: tuple[str, int],
-                          lse: torch.Tensor | None) -> torch.Tensor:
+    def _kernel_attention(self, cache: torch.Tensor, q: torch.Tensor,
+                          key: tuple[str, int, int], lse: torch.Tensor | None) -> torch.Tensor:
         """Decode rows through the kernel (log-sum-exp into `lse` [rows, Hq] if given),
         prefill chunks through SDPA."""
         dec = self.decode_index
@@ -324,7 +332,7 @@ class PagedAttention:
         return self._prefill_into(out, cache, q, key)
 
     def _torch_attention(self, cache: torch.Tensor, q: torch.Tensor,
-                         key: tuple[str, int]) -> torch.Tensor:
+                         key: tuple[str, int, int]) -> torch.Tensor:
         if self.all_decode:  # rows are the sequences, in one group: no scatter needed
             return self._decode(cache, self.decode[key][0], q)
         out = torch.empty_like(q)
@@ -338,7 +346,7 @@ class PagedAttention:
         return partial_attention(q, keys[0], values[0], self.scale, g.mask[0, 0])
 
     def _prefill_into(self, out: torch.Tensor, cache: torch.Tensor, q: torch.Tensor,
-                      key: tuple[str, int]) -> torch.Tensor:
+                      key: tuple[str, int, int]) -> torch.Tensor:
         for i, g in zip(self.prefill_rows, self.prefill[key]):
             rows = slice(self.row_start[i], self.row_start[i + 1])
             out[rows] = self._prefill(cache, g, q[rows][None])[0]

@@ -35,6 +35,7 @@ FAMILIES = (
     Family("gemma3", "kvserve.models.gemma3",
            ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3",)),
     Family("gemma2", "kvserve.models.gemma2", ("Gemma2ForCausalLM",)),
+    Family("llama4", "kvserve.models.llama4", ("Llama4ForCausalLM",)),
     Family("llama", "kvserve.models.llama",
            ("LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM",
             "Qwen2ForCausalLM", "Qwen3ForCausalLM"), ("llama", "qwen2", "qwen3")),
