@@ -15,7 +15,10 @@ H100, per row:
   up to kvserve's attention page): the granularity alone changes;
 - `vLLM align B`: the `vllm_align` policy: attention block B = 16 x cdiv(one layer's
   state, 16 x one layer's KV per token), state pages padded to it, layers grouped as
-  vLLM groups them, one state per step at a block end; hits at multiples of B.
+  vLLM groups them, one state per step at a block end; hits at multiples of B;
+- `kvserve B, B pages`: kvserve's core on vLLM's page geometry (B-token attention
+  pages, the state page padded up to whole attention pages, checkpoints every B):
+  what is left of the difference once the geometry is the same.
 
 `sweep` replays the trace with kvserve's layout and checkpoints every G tokens, G
 across vLLM's observed block sizes (400-4224). Bounds: the hit rate of an infinite
@@ -111,14 +114,17 @@ def rows_for(model: Model, args: argparse.Namespace) -> list[Row]:
     T = KVSERVE_T[model.name]
     near = -(-B // T) * T
     return [kvserve_row(model, 512, "kvserve 512"), kvserve_row(model, near, f"kvserve {near}"),
-            Row(f"vLLM align {B}", "vllm_align", 16, B)]
+            Row(f"vLLM align {B}", "vllm_align", 16, B),
+            # kvserve's core on vLLM's page geometry: B-token attention pages, the state
+            # page padded to whole attention pages, checkpoints every B (every block end).
+            Row(f"kvserve {B}, B pages", "jenga", B, B, B)]
 
 
 def print_row(r: dict, header: bool) -> None:
     if header:
-        print(f"{'model':<16}{'rate':>5} {'row':<18}{'block':>6}{'pool GB':>8}{'st.pad':>7}"
+        print(f"{'model':<16}{'rate':>5} {'row':<22}{'block':>6}{'pool GB':>8}{'st.pad':>7}"
               f"{'hit':>8}{'inf':>8}{'belady':>8}{'ttft ms':>9}{'p99 ms':>8}{'wall s':>7}")
-    print(f"{r['model']:<16}{r['rate']:>5g} {r['row']:<18}{r['block']:>6}{r['pool_gb']:>8.1f}"
+    print(f"{r['model']:<16}{r['rate']:>5g} {r['row']:<22}{r['block']:>6}{r['pool_gb']:>8.1f}"
           f"{r['padding']:>7.1%}{r['hit']:>8.1%}{r['infinite']:>8.1%}{r['belady']:>8.1%}"
           f"{r['mean_ttft_ms']:>9.1f}{r['p99_ttft_ms']:>8.1f}{r['wall_s']:>7.1f}", flush=True)
 
