@@ -23,7 +23,7 @@ def test_main_writes_json_and_plots(tmp_path, capsys) -> None:
           "--max-model-len", "8192", "--json", str(out), "--plot", str(plots)])
     data = json.loads(out.read_text())
     runs = {r["summary"]["policy"]: r for r in data["runs"]}
-    assert set(runs) == {"jenga", "uniform", "max_page", "static"}
+    assert set(runs) == {"jenga", "uniform", "max_page", "static", "vllm_align"}
     for r in runs.values():
         assert r["summary"]["finished"] == 3
         assert len(r["steps"]["decode"]) == r["summary"]["steps"] == len(r["memory"]["t"])
@@ -51,7 +51,7 @@ def test_policy_lists() -> None:
     cli.add_arguments(p)
     base = ["--model", "ministral-8b", "--trace", "decode20"]
     assert p.parse_args([*base, "--policy", "uniform,jenga"]).policy == ["uniform", "jenga"]
-    assert len(p.parse_args([*base, "--policy", "all"]).policy) == 4
+    assert len(p.parse_args([*base, "--policy", "all"]).policy) == 5
     with pytest.raises(SystemExit):
         p.parse_args([*base, "--policy", "jenga,paged"])
 

@@ -40,6 +40,8 @@ def test_layer_patterns() -> None:
                                         "chunked": (LayerKind.CHUNKED, 36, 8192)}
     assert _layout("jamba-1.5-mini") == {"full": (LayerKind.FULL, 4, 0),
                                          "mamba": (LayerKind.MAMBA, 28, 0)}
+    assert _layout("bamba-9b") == {"full": (LayerKind.FULL, 3, 0),
+                                   "mamba": (LayerKind.MAMBA, 29, 0)}
 
 
 def test_bytes_per_token_and_state() -> None:
@@ -55,11 +57,39 @@ def test_fp8_weights_halve_the_linear_layers() -> None:
     assert m.weight_bytes(True) == pytest.approx(m.weight_bytes(False) - m.linear_params())
 
 
+# Models whose natural LCM page the LCM layouts (jenga, static) refuse at 16-token
+# pages: (attention page tokens, state page padded to a multiple of that many tokens' KV).
+PADDED = {"bamba-9b": (32, 32)}
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_model_builds_under_every_policy(name: str, policy: str) -> None:
-    kv = KVCacheManager(get_model(name).kv_specs(), 2 << 30, 16, policy=policy)
+    m, T = get_model(name), 16
+    specs = m.kv_specs()
+    if name in PADDED and policy in ("jenga", "static"):
+        T, pad = PADDED[name]
+        specs = m.kv_specs(state_page_multiple=pad * 3 * m.kv_bytes_per_token())
+    kv = KVCacheManager(specs, 2 << 30, T, policy=policy)
     assert kv.num_large_pages >= len(kv.layout.specs)
+
+
+def test_bamba_mamba2_state_and_layouts() -> None:
+    m = get_model("bamba-9b")
+    # conv over x, B, C: (8192 + 2 x 1 x 128) x 3; SSM: 128 heads x 64 x 128; bf16.
+    assert m.mamba_state_bytes() == (8448 * 3 + 128 * 64 * 128) * 2 == 2147840
+    specs = m.kv_specs()
+    # 2147840 = 2^9 x 5 x 839: the LCM with a 16-token attention page is refused.
+    with pytest.raises(ValueError, match="unreasonable"):
+        KVCacheManager(specs, 8 << 30, 16)
+    att = 3 * m.kv_bytes_per_token()
+    padded = m.kv_specs(state_page_multiple=32 * att)
+    kv = KVCacheManager(padded, 8 << 30, 32)
+    assert kv.layout.page_bytes == (32 * att, 159 * 32 * att)  # state page padded 0.38%
+    assert kv.layout.page_bytes[1] / (29 * m.mamba_state_bytes()) == pytest.approx(1.0038, abs=1e-4)
+    vllm = KVCacheManager(specs, 8 << 30, 16, policy="vllm_align")
+    assert vllm.T == 528  # vLLM's attention block for Bamba 9B
+    assert get_model("jamba-1.5-mini").kv_specs(checkpoint_every=80)[1].checkpoint_every == 80
 
 
 def _uniform_waste(name: str, text: int, images=()) -> float:

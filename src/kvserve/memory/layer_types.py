@@ -443,9 +443,12 @@ class MambaState(SpecManager):
     def _checkpoints(self, lo: int, hi: int) -> range:
         """Checkpoint positions in (lo, hi]."""
         n = self.spec.checkpoint_every
-        return range((lo // n + 1) * n, hi + 1, n)
+        points = range((lo // n + 1) * n, hi + 1, n)
+        return points[-1:] if self.spec.checkpoint_last_only else points
 
     def peak_pages(self, num_tokens: int, chunk: int, images: Sequence[ImageInput]) -> int:
+        if self.spec.checkpoint_last_only:
+            return 2
         return 1 + -(-chunk // self.spec.checkpoint_every)
 
     def num_new_pages(self, r: RequestKV, upto: int) -> int:

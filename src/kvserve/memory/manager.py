@@ -122,7 +122,7 @@ class KVCacheManager:
                 f"pool of {pool_bytes} B holds no large page of {self.layout.large_page_bytes} B"
             )
         self.pool_bytes = num_large * self.layout.large_page_bytes
-        self.T = tokens_per_page
+        self.T = self.layout.tokens_per_page  # a policy may enlarge the block (vllm_align)
         self.enable_caching = enable_caching
         self.alloc = TwoLevelAllocator(self.layout, num_large, partitioned)
         self.host: HostTier | None = None

@@ -48,6 +48,9 @@ class KVSpec:
     window: int = 0  # SLIDING: a prefix hit needs its last `window` tokens
     chunk: int = 0  # CHUNKED: attention stays inside aligned chunks of this size
     checkpoint_every: int = 512  # MAMBA: cache the state every N tokens
+    # MAMBA: of the checkpoints one allocation (a step) reaches, keep only the last, as
+    # vLLM's mamba_cache_mode="align" saves one state per step, at a block boundary
+    checkpoint_last_only: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers <= 0 or self.bytes_per_token <= 0:

@@ -51,7 +51,13 @@ class Mamba:
     d_state: int
     d_conv: int
     expand: int
-    dt_rank: int
+    dt_rank: int  # Mamba-1 only
+    heads: int = 0  # Mamba-2 (SSD) when > 0: heads x head_dim = expand x hidden
+    groups: int = 0  # Mamba-2: B and C groups (n_groups)
+
+    @property
+    def v2(self) -> bool:
+        return self.heads > 0
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,15 @@ class Model:
         if m is None:
             return 0
         d_inner = m.expand * self.hidden
+        if m.v2:
+            conv_dim = d_inner + 2 * m.groups * m.d_state
+            return (
+                self.hidden * (d_inner + conv_dim + m.heads)  # in_proj (gate, x B C, dt)
+                + conv_dim * m.d_conv  # depthwise conv over x, B and C
+                + 3 * m.heads  # dt_bias, A_log, D
+                + d_inner  # gated RMSNorm
+                + d_inner * self.hidden  # out_proj
+            )
         return (
             self.hidden * 2 * d_inner  # in_proj (x and gate)
             + d_inner * m.d_conv  # depthwise conv
@@ -102,11 +117,18 @@ class Model:
         )
 
     def mamba_state_bytes(self, dtype_bytes: int = BF16) -> int:
-        """One Mamba layer's state: conv (d_conv - 1 columns, as vLLM keeps it) + SSM."""
+        """One Mamba layer's state: conv (d_conv - 1 columns, as vLLM keeps it) + SSM.
+
+        Mamba-2 convolves x, B and C (d_inner + 2 x groups x d_state channels) and
+        keeps a heads x head_dim x d_state SSM state (vLLM's mamba2 state shapes).
+        """
         m = self.mamba
         if m is None:
             return 0
         d_inner = m.expand * self.hidden
+        if m.v2:
+            conv = (d_inner + 2 * m.groups * m.d_state) * (m.d_conv - 1)
+            return (conv + d_inner * m.d_state) * dtype_bytes
         return d_inner * (m.d_conv - 1 + m.d_state) * dtype_bytes
 
     def ffn_params(self, active: bool) -> int:
@@ -150,13 +172,26 @@ class Model:
         """K and V of one token in one attention layer."""
         return 2 * self.kv_heads * self.head_dim * kv_dtype_bytes
 
-    def kv_specs(self, kv_dtype_bytes: int = BF16) -> list[KVSpec]:
-        """One KVSpec per group, as the memory core takes them."""
+    def kv_specs(self, kv_dtype_bytes: int = BF16, checkpoint_every: int = 512,
+                 state_page_multiple: int = 0) -> list[KVSpec]:
+        """One KVSpec per group, as the memory core takes them (Mamba states cached every
+        `checkpoint_every` tokens).
+
+        `state_page_multiple` > 0 pads a Mamba group's page (one state of each of its
+        layers) up to a multiple of that many bytes, given as one layer of that size:
+        for layouts that refuse the natural LCM (a Mamba-2 state of 2,147,840 B per
+        layer, 2^9 x 5 x 839, shares almost no factor with an attention page).
+        """
         specs = []
         for g in self.groups:
             if g.kind is LayerKind.MAMBA:
                 # The recurrent state stays in the model dtype even with FP8 KV.
-                specs.append(KVSpec(g.name, g.kind, g.layers, self.mamba_state_bytes()))
+                layers, state = g.layers, self.mamba_state_bytes()
+                if state_page_multiple:
+                    step = state_page_multiple
+                    layers, state = 1, -(-layers * state // step) * step
+                specs.append(KVSpec(g.name, g.kind, layers, state,
+                                    checkpoint_every=checkpoint_every))
             else:
                 specs.append(KVSpec(g.name, g.kind, g.layers,
                                     self.kv_bytes_per_token(kv_dtype_bytes),
@@ -290,6 +325,18 @@ def _build() -> dict[str, Model]:
         dense_ffn_layers=16, moe=MoE(layers=16, experts=16, top_k=2, intermediate=14336),
         mamba=Mamba(d_state=16, d_conv=4, expand=2, dt_rank=math.ceil(4096 / 16)),
         fp8_gpus=frozenset({"h100"}),
+    ))
+    # Bamba 9B: attn_layer_indices [9, 18, 27] -> 3 attention + 29 Mamba-2 layers
+    # (mamba_n_heads 128 x mamba_d_head 64 = expand 2 x hidden, d_state 128, n_groups 1,
+    # d_conv 4). The config sets no max_position_embeddings, so transformers' default
+    # 262144 applies (the model card's table says it was trained at 4096).
+    models.append(Model(
+        "bamba-9b", "https://huggingface.co/ibm-fms/Bamba-9B/blob/main/config.json",
+        hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256,
+        max_len=262144, params=9.78e9,
+        groups=(Group("full", LayerKind.FULL, 3), Group("mamba", LayerKind.MAMBA, 29)),
+        dense_ffn_layers=32,
+        mamba=Mamba(d_state=128, d_conv=4, expand=2, dt_rank=0, heads=128, groups=1),
     ))
     # Llama 4 Scout: attention_chunk_size 8192 on 3 of 4 layers, every 4th
     # layer global with NoPE (no_rope_layer_interval 4); every layer MoE

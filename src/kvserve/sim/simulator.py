@@ -44,6 +44,8 @@ class SimConfig:
     enable_caching: bool = True
     mem_every: int = 1  # take the memory core's Stats every N steps (0: never)
     host_bytes: int = 0  # a host tier (MemServe's DRAM pool) of this size; 0: none
+    mamba_checkpoint: int = 512  # Mamba states cached every N tokens (vllm_align: its block)
+    state_page_multiple: int = 0  # pad Mamba pages to a multiple of this (Model.kv_specs)
 
     @property
     def model_len(self) -> int:
@@ -136,7 +138,9 @@ class Simulator:
         self.cost = CostModel(cfg.model, cfg.gpu, fp8_weights=cfg.fp8_weights,
                               kv_dtype_bytes=cfg.kv_dtype_bytes, tp=cfg.tp)
         self.kv = KVCacheManager(
-            cfg.model.kv_specs(cfg.kv_dtype_bytes), budget.kv, cfg.tokens_per_page,
+            cfg.model.kv_specs(cfg.kv_dtype_bytes, cfg.mamba_checkpoint,
+                               cfg.state_page_multiple),
+            budget.kv, cfg.tokens_per_page,
             policy=cfg.policy, enable_caching=cfg.enable_caching,
             host_bytes=cfg.host_bytes, worth_loading=self._worth_loading,
         )
