@@ -238,6 +238,21 @@ def test_memory_is_one_live_state_per_request_plus_checkpoints(tiny) -> None:
     assert_nothing_held(eng)
 
 
+def test_without_prefix_caching_checkpoints_go_once_taken(tiny) -> None:
+    directory, hf = tiny
+    eng = load_engine(directory, max_num_batched_tokens=24, enable_prefix_caching=False)
+    s = mamba_spec(eng)
+    page = eng.kv.layout.page_bytes[s]
+    prompt = random_prompts([100], seed=8)[0]
+    eng.add_request("0", {"prompt_token_ids": prompt}, GREEDY)
+    out = []
+    while eng.has_unfinished():
+        out += [o for o in eng.step() if o.finished]
+        assert eng.kv.stats().specs[s].used <= page * (1 + len(eng.scheduler.running))
+    assert list(out[0].outputs[0].token_ids) == reference(hf, prompt)
+    assert_nothing_held(eng)
+
+
 def test_a_failed_step_puts_live_states_back(tiny) -> None:
     """DistAttention reruns a step whose creditor was lost: the states it updated in
     place go back to what they were."""

@@ -479,6 +479,13 @@ class MambaState(SpecManager):
                 self.alloc.free(s, [pid], DEAD)
         r.pending[s] = keep
 
+    def release_inactive(self, r: RequestKV, c: int, now: int) -> None:
+        """Prefix caching off: no lookup will restore a checkpoint, so each one goes as
+        soon as its position is computed (they would pile up until the request ends)."""
+        pending = r.pending[self.s]
+        self.alloc.free(self.s, [pid for pos, pid in pending if pos <= c], now)
+        r.pending[self.s] = [(pos, pid) for pos, pid in pending if pos > c]
+
     def free_all(self, r: RequestKV, now: int) -> None:
         # The sequence end is a reuse point: the checkpoint a hit there would use stays.
         q = r.num_computed // self.T

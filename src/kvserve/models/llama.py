@@ -28,6 +28,7 @@ from kvserve.models.layers import (
     apply_rope,
     fuse_projections,
     norm_rope,
+    pairs_to_halves,
 )
 
 SLIDING = "sliding_attention"
@@ -205,15 +206,10 @@ def gguf_tensor(name: str, tensor: torch.Tensor, config: LlamaConfig,
     if arch != "llama":
         return tensor
     if name.endswith("self_attn.q_proj.weight"):
-        return _unpermute(tensor, config.num_attention_heads)
+        return pairs_to_halves(tensor, config.num_attention_heads)
     if name.endswith("self_attn.k_proj.weight"):
-        return _unpermute(tensor, config.num_key_value_heads)
+        return pairs_to_halves(tensor, config.num_key_value_heads)
     return tensor
-
-
-def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2) \
-        .reshape(w.shape)
 
 
 Config = LlamaConfig
