@@ -9,12 +9,14 @@ loader (as an HF directory), so the config parsing and weight names are tested t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from kvserve.engine.engine import EngineConfig, LLMEngine
 from kvserve.engine.request import SamplingParams
+from kvserve.memory.spec import LayerKind
 from kvserve.models.loader import _load_hf_dir, build_model
 
 VOCAB = 256
@@ -66,19 +68,69 @@ def load_engine(directory: Path, **cfg) -> LLMEngine:
     return LLMEngine(model, NoTokenizer(), EngineConfig(**args))
 
 
-def engine_greedy(eng: LLMEngine, prompts: list[list[int]], max_tokens: int,
-                  ids: list[str] | None = None) -> list[list[int]]:
-    """All prompts added at once; greedy tokens of each (EOS ignored)."""
+def engine_run(eng: LLMEngine, prompts: list[list[int]], max_tokens: int,
+               ids: list[str] | None = None,
+               each_step: Callable[[LLMEngine], None] | None = None,
+               ) -> tuple[list[list[int]], list[int]]:
+    """All prompts added at once: greedy tokens of each (EOS ignored) and how many of its
+    prompt tokens came from the prefix cache. `each_step` runs after every step."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = ids or [str(i) for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         eng.add_request(rid, {"prompt_token_ids": p}, params)
     done = {}
     while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-    return [done[rid] for rid in ids]
+        done.update({out.request_id: out for out in eng.step() if out.finished})
+        if each_step is not None:
+            each_step(eng)
+    return ([list(done[r].outputs[0].token_ids) for r in ids],
+            [done[r].num_cached_tokens for r in ids])
+
+
+def engine_greedy(eng: LLMEngine, prompts: list[list[int]], max_tokens: int,
+                  ids: list[str] | None = None) -> list[list[int]]:
+    """All prompts added at once; greedy tokens of each (EOS ignored)."""
+    return engine_run(eng, prompts, max_tokens, ids)[0]
+
+
+# ------------------------------------------------- what every family's tests check
+
+
+def check_greedy(directory: Path, prompts: list[list[int]], want: list[list[int]],
+                 torch_attention: bool = False, **cfg) -> None:
+    """Batched through the engine: HF's tokens. torch_attention: the GPU path (gathers and
+    torch ops) instead of the compiled CPU kernels."""
+    eng = load_engine(directory, **cfg)
+    if torch_attention:
+        eng.runner.attn.kernels = None
+    assert engine_greedy(eng, prompts, len(want[0])) == want
+
+
+def check_preemption(directory: Path, prompts: list[list[int]], want: list[list[int]],
+                     room_tokens: int) -> None:
+    """A pool of `room_tokens` tokens of every spec: requests are preempted and resumed,
+    and their tokens do not change."""
+    per_token = sum(s.token_bytes() for s in load_engine(directory).kv.layout.specs)
+    eng = load_engine(directory, kv_memory=per_token * room_tokens, max_num_seqs=4,
+                      max_num_batched_tokens=16)
+    assert engine_greedy(eng, prompts, len(want[0])) == want
+    assert eng.scheduler.num_preemptions > 0
+
+
+def check_bounded(directory: Path, prompts: list[list[int]], kind: LayerKind,
+                  tokens: int, max_tokens: int) -> None:
+    """After every step, the `kind` spec holds at most `tokens` tokens per running request
+    (a window or chunk plus a page), and something at some point."""
+    eng = load_engine(directory)
+    spec = next(s for s in eng.kv.layout.specs if s.kind is kind)
+    most = [0]
+
+    def check(e: LLMEngine) -> None:
+        used = {s.name: s.used for s in e.kv.stats().specs}[spec.name]
+        assert used <= len(e.scheduler.running) * tokens * spec.token_bytes()
+        most[0] = max(most[0], used)
+    engine_run(eng, prompts, max_tokens, each_step=check)
+    assert most[0] > 0
 
 
 @torch.inference_mode()

@@ -11,9 +11,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_tiny import BASE, engine_greedy, hf_greedy, load_engine, random_prompts, save_tiny
+from hf_tiny import (
+    BASE,
+    check_bounded,
+    check_greedy,
+    check_preemption,
+    engine_greedy,
+    engine_run,
+    hf_greedy,
+    load_engine,
+    random_prompts,
+    save_tiny,
+)
 
-from kvserve.engine.request import SamplingParams
 from kvserve.memory.spec import LayerKind
 from kvserve.models.attention_ref import sequence_logits
 
@@ -37,20 +47,6 @@ def tiny(tmp_path_factory):
     hf = _save(directory, 5.0, 3.0)
     prompts = random_prompts(LENGTHS)
     return hf, directory, prompts, [hf_greedy(hf, p, NEW) for p in prompts]
-
-
-def _run(eng, prompts, ids):
-    """Greedy tokens and prompt tokens served from the prefix cache, per request."""
-    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-    for rid, p in zip(ids, prompts):
-        eng.add_request(rid, {"prompt_token_ids": p}, params)
-    done = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-    return ([list(done[r].outputs[0].token_ids) for r in ids],
-            [done[r].num_cached_tokens for r in ids])
 
 
 def test_config_parsed_from_hf(tiny):
@@ -93,49 +89,28 @@ def test_logits_match_hf_and_the_caps_bite(tiny):
 ])
 def test_greedy_matches_hf(tiny, kw):
     _, directory, prompts, want = tiny
-    torch_attention = kw.pop("torch_attention", False)
-    eng = load_engine(directory, **kw)
-    if torch_attention:
-        eng.runner.attn.kernels = None
-    assert engine_greedy(eng, prompts, NEW) == want
+    check_greedy(directory, prompts, want, **kw)
 
 
 def test_one_at_a_time_and_prefix_hit(tiny):
     _, directory, prompts, want = tiny
     eng = load_engine(directory)
     for i, p in enumerate(prompts):
-        assert _run(eng, [p], [f"a{i}"])[0] == [want[i]]
+        assert engine_run(eng, [p], NEW, [f"a{i}"])[0] == [want[i]]
     # The same prompts again: served from the prefix cache, same tokens.
-    got, cached = _run(eng, prompts, ["b0", "b1", "b2", "b3"])
+    got, cached = engine_run(eng, prompts, NEW, ["b0", "b1", "b2", "b3"])
     assert got == want
     assert cached[2] > 0 and cached[3] > 0
 
 
 def test_preemption_keeps_tokens(tiny):
     _, directory, prompts, want = tiny
-    specs = load_engine(directory).kv.layout.specs
-    per_token = sum(s.token_bytes() for s in specs)
-    eng = load_engine(directory, kv_memory=per_token * 50, max_num_seqs=4,
-                      max_num_batched_tokens=16)
-    assert engine_greedy(eng, prompts, NEW) == want
-    assert eng.scheduler.num_preemptions > 0
+    check_preemption(directory, prompts, want, room_tokens=50)
 
 
 def test_sliding_memory_is_bounded(tiny):
     _, directory, prompts, _ = tiny
-    eng = load_engine(directory)
-    sliding = next(s for s in eng.kv.layout.specs if s.kind is LayerKind.SLIDING)
-    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), {"prompt_token_ids": p}, params)
-    most = 0
-    while eng.has_unfinished():
-        eng.step()
-        used = {s.name: s.used for s in eng.kv.stats().specs}[sliding.name]
-        bound = len(eng.scheduler.running) * (WINDOW + PAGE) * sliding.token_bytes()
-        assert used <= bound
-        most = max(most, used)
-    assert most > 0
+    check_bounded(directory, prompts, LayerKind.SLIDING, WINDOW + PAGE, NEW)
 
 
 @pytest.mark.slow

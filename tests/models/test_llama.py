@@ -8,9 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_tiny import BASE, engine_greedy, hf_greedy, load_engine, random_prompts, save_tiny
+from hf_tiny import (
+    BASE,
+    check_bounded,
+    check_greedy,
+    check_preemption,
+    engine_greedy,
+    hf_greedy,
+    load_engine,
+    random_prompts,
+    save_tiny,
+)
 
-from kvserve.engine.request import SamplingParams
 from kvserve.memory.spec import LayerKind
 
 NEW = 12
@@ -75,11 +84,7 @@ def test_config_parsed_from_hf(tiny):
 ])
 def test_greedy_matches_hf(tiny, kw):
     _, directory, prompts, want = tiny
-    torch_attention = kw.pop("torch_attention", False)
-    eng = load_engine(directory, **kw)
-    if torch_attention:
-        eng.runner.attn.kernels = None
-    assert engine_greedy(eng, prompts, NEW) == want
+    check_greedy(directory, prompts, want, **kw)
 
 
 def test_one_at_a_time_and_prefix_hit(tiny):
@@ -96,31 +101,16 @@ def test_one_at_a_time_and_prefix_hit(tiny):
 def test_preemption_keeps_tokens(tiny):
     _, directory, prompts, want = tiny
     # Room for the longest request and little more: the rest wait or are preempted and
-    # resumed (windows bound the sliding layers, so those models need less).
-    specs = load_engine(directory).kv.layout.specs
-    per_token = sum(s.token_bytes() for s in specs)
-    windows_only = all(s.kind is LayerKind.SLIDING for s in specs)
-    eng = load_engine(directory, kv_memory=per_token * (40 if windows_only else 80),
-                      max_num_seqs=4, max_num_batched_tokens=16)
-    got = engine_greedy(eng, prompts, NEW)
-    assert got == want
-    assert eng.scheduler.num_preemptions > 0
+    # resumed (windows bound the sliding layers, so a windows-only model needs less).
+    windows_only = tiny[0] == "mistral"
+    check_preemption(directory, prompts, want, room_tokens=40 if windows_only else 80)
 
 
 def test_sliding_memory_is_bounded(tiny):
     name, directory, prompts, _ = tiny
     if name == "llama":
         pytest.skip("no sliding layers")
-    eng = load_engine(directory)
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    eng.add_request("long", {"prompt_token_ids": prompts[2] * 2}, params)
-    eng.step()  # the whole 122-token prompt in one step
-    stats = {s.name: s for s in eng.kv.stats().specs}
-    sliding = next(s for s in eng.kv.layout.specs if s.kind is LayerKind.SLIDING)
-    per_token = sliding.token_bytes()
-    assert stats[sliding.name].used <= (16 + 2 * 4) * per_token
-    while eng.has_unfinished():
-        eng.step()
+    check_bounded(directory, prompts, LayerKind.SLIDING, 16 + 4, NEW)
 
 
 def test_qwen2_biases_are_loaded(tiny):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kvserve.memory.spec import LayerKind
-from kvserve.models.base import AttentionBackend, CausalLM, KVLayer, ModelConfig
+from kvserve.models.base import AttentionBackend, CausalLM, DecoderStack, KVLayer, ModelConfig
 from kvserve.models.checkpoint import hf_common, hf_rope_scaling
 from kvserve.models.layers import (
     GatedMLP,
@@ -140,21 +140,12 @@ class BambaDecoderLayer(nn.Module):
         return x
 
 
-class BambaModel(nn.Module):
-    def __init__(self, config: BambaConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            BambaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 class BambaForCausalLM(CausalLM):
     config: BambaConfig
 
     def __init__(self, config: BambaConfig) -> None:
         super().__init__(config)
-        self.model = BambaModel(config)
+        self.model = DecoderStack(config, BambaDecoderLayer)
         self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -163,9 +154,12 @@ class BambaForCausalLM(CausalLM):
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos_sin, attn)
-        return self.model.final_layernorm(x)
+        return self.model.norm(x)
 
     def adapt_state_dict(self, state_dict):  # noqa: ANN001, ANN201 - see CausalLM
+        # HF's Bamba calls the final norm final_layernorm; DecoderStack calls it norm.
+        state_dict = {k.replace("model.final_layernorm.", "model.norm."): v
+                      for k, v in state_dict.items()}
         return fuse_projections(state_dict, {
             "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
             "feed_forward.gate_up_proj": ("feed_forward.gate_proj", "feed_forward.up_proj")})

@@ -11,7 +11,7 @@ plus a line in models/registry.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kvserve.memory.spec import LayerKind
-from kvserve.models.layers import Derived, Linear, linear, pack_weight
+from kvserve.models.layers import Derived, Linear, RMSNorm, linear, pack_weight
 from kvserve.models.quant import QuantLinear, quantize_linears
 
 C = TypeVar("C", bound="ModelConfig")
@@ -147,6 +147,18 @@ class AttentionBackend(Protocol):
         (`STATE_DTYPE`) and indexed by the pages the sequences name. The layer reads
         each sequence's `source` and writes every page of its `writes`."""
         ...
+
+
+class DecoderStack(nn.Module):
+    """Embedding, decoder layers and final norm under HF's names (`embed_tokens`,
+    `layers`, `norm`): the `model` of every family. `norm_offset` 1.0 is Gemma's norm."""
+
+    def __init__(self, config: ModelConfig, layer: Callable[[Any, int], nn.Module],
+                 norm_offset: float = 0.0) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=norm_offset)
 
 
 class CausalLM(nn.Module):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kvserve.memory.spec import LayerKind
-from kvserve.models.base import AttentionBackend, CausalLM, KVLayer, ModelConfig
+from kvserve.models.base import AttentionBackend, CausalLM, DecoderStack, KVLayer, ModelConfig
 from kvserve.models.chat_template import GEMMA_CHAT_TEMPLATE
 from kvserve.models.checkpoint import gguf_common, gguf_rope_scaling, hf_common, hf_rope_scaling
 from kvserve.models.layers import (
@@ -160,18 +160,6 @@ class Gemma3DecoderLayer(nn.Module):
         return x
 
 
-class Gemma3Model(nn.Module):
-    """Embedding + decoder stack + final norm (HF-compatible parameter names)."""
-
-    def __init__(self, config: Gemma3Config) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
-
-
 class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 text model over a flattened varlen batch."""
 
@@ -179,7 +167,7 @@ class Gemma3ForCausalLM(CausalLM):
 
     def __init__(self, config: Gemma3Config) -> None:
         super().__init__(config)
-        self.model = Gemma3Model(config)
+        self.model = DecoderStack(config, Gemma3DecoderLayer, norm_offset=1.0)
         self.final_logit_softcapping = config.final_logit_softcapping
         self.rope_local = RotaryEmbedding(config.head_dim, config.rope_local_base_freq,
                                           config.local_rope_scaling)

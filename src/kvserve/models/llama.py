@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kvserve.memory.spec import LayerKind
-from kvserve.models.base import AttentionBackend, CausalLM, KVLayer, ModelConfig
+from kvserve.models.base import AttentionBackend, CausalLM, DecoderStack, KVLayer, ModelConfig
 from kvserve.models.checkpoint import gguf_common, gguf_rope_scaling, hf_common, hf_rope_scaling
 from kvserve.models.layers import (
     Derived,
@@ -122,21 +122,12 @@ class LlamaDecoderLayer(nn.Module):
         return add_then_norm(x, self.mlp(h), next_norm)
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 class LlamaForCausalLM(CausalLM):
     config: LlamaConfig
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__(config)
-        self.model = LlamaModel(config)
+        self.model = DecoderStack(config, LlamaDecoderLayer)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

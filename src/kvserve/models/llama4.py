@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kvserve.memory.spec import LayerKind
-from kvserve.models.base import AttentionBackend, CausalLM, KVLayer, ModelConfig
+from kvserve.models.base import AttentionBackend, CausalLM, DecoderStack, KVLayer, ModelConfig
 from kvserve.models.checkpoint import hf_common, hf_rope_scaling
 from kvserve.models.layers import (
     GatedMLP,
@@ -198,15 +198,6 @@ class Llama4DecoderLayer(nn.Module):
         return add_then_norm(x, self.feed_forward(h), next_norm)
 
 
-class Llama4Model(nn.Module):
-    def __init__(self, config: Llama4Config) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Llama4DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "feed_forward.gate_up_proj": ("feed_forward.gate_proj", "feed_forward.up_proj"),
@@ -220,7 +211,7 @@ class Llama4ForCausalLM(CausalLM):
 
     def __init__(self, config: Llama4Config) -> None:
         super().__init__(config)
-        self.model = Llama4Model(config)
+        self.model = DecoderStack(config, Llama4DecoderLayer)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
     def temperature(self, positions: torch.Tensor) -> torch.Tensor | None:
