@@ -7,6 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
+from hf_reference import gguf_parsed_once
 from server_harness import serving
 
 from kvserve.engine.engine import EngineConfig, LLMEngine
@@ -23,9 +24,16 @@ pytestmark = pytest.mark.slow  # a second real model: ~30 s to load both sides
 
 @pytest.fixture(scope="module")
 def smol():
-    config, state_dict, tokenizer = load_model_files("smollm2")
-    model = build_model(config, state_dict)
-    return model, tokenizer
+    """kvserve's model and transformers' own, both from the packaged GGUF (one parse of
+    the file for both: see gguf_parsed_once)."""
+    from transformers import AutoModelForCausalLM
+
+    path = model_path("smollm2")
+    with gguf_parsed_once():
+        config, state_dict, tokenizer = load_model_files(path)
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                  dtype=torch.float32).eval()
+    return build_model(config, state_dict), tokenizer, hf
 
 
 def _chat_ids(tokenizer, question: str) -> list[int]:
@@ -35,13 +43,8 @@ def _chat_ids(tokenizer, question: str) -> list[int]:
 
 
 def test_greedy_tokens_match_hf_on_the_same_gguf(smol):
-    from transformers import AutoModelForCausalLM
-
-    model, tokenizer = smol
+    model, tokenizer, hf = smol
     assert model.config.family == "llama" and model.config.tie_word_embeddings
-    path = model_path("smollm2")
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                              dtype=torch.float32).eval()
     prompts = [_chat_ids(tokenizer, q) for q in QUESTIONS]
     eng = LLMEngine(model, tokenizer, EngineConfig(kv_memory=64 << 20))
     params = SamplingParams(temperature=0, max_tokens=40)
@@ -58,7 +61,7 @@ def test_greedy_tokens_match_hf_on_the_same_gguf(smol):
 
 
 def test_chat_endpoint_answers_like_an_assistant(smol):
-    model, tokenizer = smol
+    model, tokenizer, _ = smol
     eng = LLMEngine(model, tokenizer, EngineConfig(kv_memory=64 << 20))
     with serving(build_app(eng, "smollm2")) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
