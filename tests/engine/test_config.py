@@ -35,3 +35,16 @@ def test_bf16_runs_and_says_why_it_is_slow_only_where_it_is_emulated():
     assert len(emulated) == (0 if bf16_native() else 1)
     if emulated:
         assert "avx512_bf16" in str(emulated[0].message)
+
+
+def test_page_size_is_the_models():
+    from kvserve.engine.engine import pick_tokens_per_page
+    from kvserve.sim.models import get_model
+
+    llama = get_model("llama-3.1-8b").kv_specs()
+    assert pick_tokens_per_page(llama, "jenga", None) == 16
+    assert pick_tokens_per_page(llama, "jenga", 4) == 4  # as asked
+    # Bamba 9B: 29 Mamba layers of 2,147,840 B of state: no 16-token page tiles with it
+    # in 256 pages; 32-token pages do, the state page padded 0.4%.
+    bamba = get_model("bamba-9b").kv_specs()
+    assert pick_tokens_per_page(bamba, "jenga", None) == 32

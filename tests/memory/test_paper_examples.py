@@ -128,3 +128,21 @@ def test_fig11_possible_prefixes():
     assert full.possible_prefix(full_hit) == set(range(1, 10))
     assert swa.possible_prefix(swa_hit) == {4, 9, 10}
     assert max(full.possible_prefix(full_hit) & swa.possible_prefix(swa_hit)) == 9
+
+
+def test_odd_state_pages_are_padded_to_the_token_pages():
+    # A Mamba state of 200,003 B shares no factor with a 1 KiB token page: the plain LCM
+    # would be ~200 MB. Padded up to a multiple of the token page it tiles (196 pages).
+    full = KVSpec("full", LayerKind.FULL, 1, 64)
+    state = KVSpec("mamba", LayerKind.MAMBA, 1, 200_003, checkpoint_every=32)
+    layout = make_layout([full, state], tokens_per_page=16)
+    assert layout.page_bytes == (1024, 196 * 1024) == (1024, layout.large_page_bytes)
+    mgr = KVCacheManager([full, state], pool_bytes=8 * layout.large_page_bytes,
+                         tokens_per_page=16)
+    mgr.add_request("r", list(range(40)))
+    mgr.lookup("r")
+    assert mgr.allocate_slots("r", 40)
+    # Token pages alone are never padded: an odd pair is still refused.
+    with pytest.raises(ValueError, match="unreasonable"):
+        make_layout([KVSpec("a", LayerKind.FULL, 1, 1009),
+                     KVSpec("b", LayerKind.FULL, 1, 1013)], tokens_per_page=1)

@@ -406,7 +406,7 @@ def profile_engine(engine: Any, lengths: Sequence[int] = DEFAULT_LENGTHS,
         gen.seed()  # fresh prompts, never the cached ones of an earlier profile
     else:
         gen.manual_seed(seed)
-    vocab, page = engine.config.vocab_size, engine.cfg.tokens_per_page
+    vocab, page = engine.config.vocab_size, engine.kv.T
     timers = _Timers(engine, clock)
     budget = engine.scheduler.budget
     engine.scheduler.budget = max(budget, *lengths)

@@ -25,7 +25,8 @@ from kvserve.engine.request import (
 from kvserve.engine.runner import ModelRunner, check_kv_backend, kv_specs, vtensor_shape
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.scheduler import Lender, Scheduler
-from kvserve.memory import KVCacheManager
+from kvserve.memory import KVCacheManager, KVSpec
+from kvserve.memory.baselines import policy_layout
 from kvserve.memory.manager import LoadRule
 from kvserve.models.base import CausalLM
 from kvserve.models.dist_attention import RemoteKVLost
@@ -47,7 +48,7 @@ class EngineConfig:
     kv_memory: int | float | None = None  # bytes, or a fraction of free memory
     dtype: torch.dtype | str = "auto"  # or a torch dtype / its name; see resolve_dtype
     device: str | None = None
-    tokens_per_page: int = 16
+    tokens_per_page: int | None = None  # None: the model's, see pick_tokens_per_page
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -137,6 +138,25 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype
     return dtype
 
 
+PAGE_TOKENS = (16, 32, 64)
+
+
+def pick_tokens_per_page(specs: Sequence[KVSpec], policy: str, asked: int | None) -> int:
+    """Tokens per page: as asked, else the first of PAGE_TOKENS whose layout the memory
+    core takes. 16 serves attention-only models; a Mamba hybrid's state page (Bamba 9B:
+    29 layers x 2,147,840 B) needs a larger token page for a large page of at most 256
+    small pages (32 there, with the state page padded 0.4%)."""
+    if asked is not None:
+        return asked
+    for tokens in PAGE_TOKENS:
+        try:
+            policy_layout(policy, specs, tokens)
+            return tokens
+        except ValueError as e:
+            error = e
+    raise error
+
+
 def resolve_kv_bytes(kv_memory: int | float | None, device: torch.device) -> int:
     """Bytes for the KV pool: as given, or a fraction of the memory free now."""
     if isinstance(kv_memory, int) and not isinstance(kv_memory, bool):
@@ -173,15 +193,16 @@ class LLMEngine:
         vtensor = cfg.kv_backend == "vtensor"
         specs, bindings, shapes = kv_specs(model.kv_layers, model.dtype, full_history=vtensor)
         kv_bytes = resolve_kv_bytes(cfg.kv_memory, model.device)
+        T = pick_tokens_per_page(specs, cfg.policy, cfg.tokens_per_page)
         # Under vtensor kv_bytes is the physical ceiling; the core admits a share of it.
         core_bytes = kv_bytes
         if vtensor:
             shape = vtensor_shape(shapes, bindings)
             core_bytes = core_budget(
-                kv_bytes, len(bindings), chunk_bytes_of(shape, cfg.tokens_per_page),
-                shape.bytes_per_token() * cfg.tokens_per_page, cfg.max_num_seqs)
+                kv_bytes, len(bindings), chunk_bytes_of(shape, T),
+                shape.bytes_per_token() * T, cfg.max_num_seqs)
         self.kv = KVCacheManager(
-            specs, core_bytes, cfg.tokens_per_page,
+            specs, core_bytes, T,
             policy=cfg.policy, enable_caching=cfg.enable_prefix_caching,
             host_bytes=cfg.host_kv_memory, worth_loading=self._load_rule(cfg, model.device),
         )

@@ -102,7 +102,8 @@ def make_layout(
     tokens_per_page: int = 16,
     page_bytes: Sequence[int] | None = None,
 ) -> Layout:
-    """Build the two-level layout; refuse (never pad) an unreasonable LCM."""
+    """Build the two-level layout; refuse an unreasonable LCM, after padding fixed-size
+    state pages (`_padded_states`) where that makes it reasonable."""
     specs = tuple(specs)
     if not specs:
         raise ValueError("at least one KV spec is needed")
@@ -116,8 +117,27 @@ def make_layout(
         s.page_bytes(tokens_per_page) for s in specs
     )
     large = math.lcm(*sizes)
+    if page_bytes is None and not _reasonable(sizes, large):
+        sizes = _padded_states(specs, sizes)
+        large = math.lcm(*sizes)
     _check_lcm(specs, sizes, large)
     return Layout(specs, tokens_per_page, sizes, large)
+
+
+def _padded_states(specs: tuple[KVSpec, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Mamba state pages rounded up to a multiple of the other pages' LCM, as vLLM pads
+    them: a state's odd size (Bamba 9B: 2^9 x 5 x 839 B a layer) shares few factors with
+    a token page's, so the plain LCM would be gigabytes. The padding counts as waste."""
+    others = [b for s, b in zip(specs, sizes) if s.kind is not LayerKind.MAMBA]
+    if not others or len(others) == len(sizes):
+        return sizes
+    unit = math.lcm(*others)
+    return tuple(-(-b // unit) * unit if s.kind is LayerKind.MAMBA else b
+                 for s, b in zip(specs, sizes))
+
+
+def _reasonable(sizes: Sequence[int], large: int) -> bool:
+    return large // min(sizes) <= MAX_SMALL_PAGES_PER_LARGE and large <= MAX_LARGE_PAGE_BYTES
 
 
 def _check_alignment(spec: KVSpec, tokens_per_page: int) -> None:
@@ -136,10 +156,9 @@ def _check_alignment(spec: KVSpec, tokens_per_page: int) -> None:
 
 
 def _check_lcm(specs: tuple[KVSpec, ...], sizes: tuple[int, ...], large: int) -> None:
-    smallest = min(sizes)
-    ratio = large // smallest
-    if ratio <= MAX_SMALL_PAGES_PER_LARGE and large <= MAX_LARGE_PAGE_BYTES:
+    if _reasonable(sizes, large):
         return
+    ratio = large // min(sizes)
     detail = ", ".join(f"{s.name}={b} B" for s, b in zip(specs, sizes))
     raise ValueError(
         f"LCM large page of {large} B is unreasonable: it is {ratio}x the smallest small page "
