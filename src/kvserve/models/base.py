@@ -160,6 +160,16 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=norm_offset)
 
+    def pre_norm(self, x: torch.Tensor, step: Any, attn: AttentionBackend) -> torch.Tensor:
+        """Run pre-norm layers `layer(x, h, step, attn, next_norm) -> (x, h)`, each handing
+        the next its normed input (fused into its residual add): x -> final hidden."""
+        layers = self.layers
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            x, h = layer(x, h, step, attn, nxt)
+        return h
+
 
 class CausalLM(nn.Module):
     """A decoder over a flattened varlen batch: `model.embed_tokens`, `model.layers`,

@@ -133,13 +133,7 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos_sin = self.rope.cos_sin(positions, x.dtype)
-        layers = self.model.layers
-        h = layers[0].input_layernorm(x)
-        for i, layer in enumerate(layers):
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, h = layer(x, h, cos_sin, attn, nxt)
-        return h
+        return self.model.pre_norm(x, self.rope.cos_sin(positions, x.dtype), attn)
 
     def adapt_state_dict(self, state_dict):  # noqa: ANN001, ANN201 - see CausalLM
         return fuse_projections(state_dict)

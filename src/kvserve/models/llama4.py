@@ -228,12 +228,7 @@ class Llama4ForCausalLM(CausalLM):
         x = self.model.embed_tokens(input_ids)
         unit = torch.ones(self.config.head_dim, device=x.device)
         step = _Step(self.rope.cos_sin(positions, x.dtype), self.temperature(positions), unit)
-        layers = self.model.layers
-        h = layers[0].input_layernorm(x)
-        for i, layer in enumerate(layers):
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, h = layer(x, h, step, attn, nxt)
-        return h
+        return self.model.pre_norm(x, step, attn)
 
     def adapt_state_dict(self, state_dict):  # noqa: ANN001, ANN201 - see CausalLM
         c, out = self.config, dict(state_dict)
