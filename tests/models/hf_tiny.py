@@ -106,6 +106,18 @@ def check_greedy(directory: Path, prompts: list[list[int]], want: list[list[int]
     assert engine_greedy(eng, prompts, len(want[0])) == want
 
 
+def check_alone_then_cached(eng: LLMEngine, prompts: list[list[int]],
+                            want: list[list[int]], long: int = 40) -> None:
+    """Each prompt alone, then all of them again: HF's tokens both times, and every prompt
+    of at least `long` tokens served in part from the prefix cache the second time."""
+    n = len(want[0])
+    for i, p in enumerate(prompts):
+        assert engine_greedy(eng, [p], n, [f"alone{i}"]) == [want[i]]
+    got, cached = engine_run(eng, prompts, n, [f"again{i}" for i in range(len(prompts))])
+    assert got == want
+    assert all(c > 0 for p, c in zip(prompts, cached) if len(p) >= long), cached
+
+
 def check_preemption(directory: Path, prompts: list[list[int]], want: list[list[int]],
                      room_tokens: int) -> None:
     """A pool of `room_tokens` tokens of every spec: requests are preempted and resumed,

@@ -13,11 +13,11 @@ import pytest
 import torch
 from hf_tiny import (
     BASE,
+    check_alone_then_cached,
     check_bounded,
     check_greedy,
     check_preemption,
     engine_greedy,
-    engine_run,
     hf_greedy,
     load_engine,
     random_prompts,
@@ -94,13 +94,7 @@ def test_greedy_matches_hf(tiny, kw):
 
 def test_one_at_a_time_and_prefix_hit(tiny):
     _, directory, prompts, want = tiny
-    eng = load_engine(directory)
-    for i, p in enumerate(prompts):
-        assert engine_run(eng, [p], NEW, [f"a{i}"])[0] == [want[i]]
-    # The same prompts again: served from the prefix cache, same tokens.
-    got, cached = engine_run(eng, prompts, NEW, ["b0", "b1", "b2", "b3"])
-    assert got == want
-    assert cached[2] > 0 and cached[3] > 0
+    check_alone_then_cached(load_engine(directory), prompts, want)
 
 
 def test_preemption_keeps_tokens(tiny):

@@ -10,10 +10,10 @@ import pytest
 import torch
 from hf_tiny import (
     BASE,
+    check_alone_then_cached,
     check_bounded,
     check_greedy,
     check_preemption,
-    engine_greedy,
     hf_greedy,
     load_engine,
     random_prompts,
@@ -89,13 +89,7 @@ def test_greedy_matches_hf(tiny, kw):
 
 def test_one_at_a_time_and_prefix_hit(tiny):
     _, directory, prompts, want = tiny
-    eng = load_engine(directory)
-    for i, p in enumerate(prompts):
-        assert engine_greedy(eng, [p], NEW, ids=[f"a{i}"]) == [want[i]]
-    # The same prompts again: served from the prefix cache, same tokens.
-    hits = eng.kv.hit_tokens
-    assert engine_greedy(eng, prompts, NEW, ids=["b0", "b1", "b2", "b3"]) == want
-    assert eng.kv.hit_tokens > hits
+    check_alone_then_cached(load_engine(directory), prompts, want)
 
 
 def test_preemption_keeps_tokens(tiny):

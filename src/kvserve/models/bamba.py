@@ -21,11 +21,10 @@ from kvserve.models.base import AttentionBackend, CausalLM, DecoderStack, KVLaye
 from kvserve.models.checkpoint import hf_common, hf_rope_scaling
 from kvserve.models.layers import (
     GatedMLP,
-    Linear,
     RMSNorm,
     RotaryEmbedding,
+    SelfAttention,
     add_then_norm,
-    apply_rope,
     fuse_projections,
 )
 from kvserve.models.mamba2 import Mamba2Mixer
@@ -90,30 +89,6 @@ class BambaConfig(ModelConfig):
         return [mamba if t == MAMBA else attn for t in self.layer_types]
 
 
-class BambaAttention(nn.Module):
-    def __init__(self, config: BambaConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = D = config.head_dim
-        bias = config.attention_bias
-        self.qkv_proj = Linear(config.hidden_size, (self.n_heads + 2 * self.n_kv_heads) * D,
-                               bias=bias)
-        self.o_proj = Linear(self.n_heads * D, config.hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...],
-                attn: AttentionBackend) -> torch.Tensor:
-        n, D = x.shape[0], self.head_dim
-        qk, v = self.qkv_proj(x).split(((self.n_heads + self.n_kv_heads) * D,
-                                        self.n_kv_heads * D), dim=-1)
-        qk = qk.view(n, -1, D)
-        rot = cos_sin[0].shape[-1]  # RoPE on the first `rot` channels of each head
-        qk = torch.cat((apply_rope(qk[..., :rot], *cos_sin), qk[..., rot:]), dim=-1)
-        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)
-        out = attn(self.layer_idx, q, k, v.view(n, self.n_kv_heads, D))
-        return self.o_proj(out.reshape(n, self.n_heads * D))
-
-
 class BambaDecoderLayer(nn.Module):
     def __init__(self, config: BambaConfig, layer_idx: int) -> None:
         super().__init__()
@@ -126,18 +101,20 @@ class BambaDecoderLayer(nn.Module):
                 config.mamba_chunk_size, eps, config.mamba_conv_bias,
                 config.mamba_proj_bias, config.time_step_limit)
         else:
-            self.self_attn = BambaAttention(config, layer_idx)
+            self.self_attn = SelfAttention(
+                layer_idx, hidden, config.num_attention_heads, config.num_key_value_heads,
+                config.head_dim, eps, config.attention_bias, config.attention_bias)
         self.feed_forward = GatedMLP(hidden, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.pre_ff_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...],
-                attn: AttentionBackend) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, h: torch.Tensor, cos_sin: tuple[torch.Tensor, ...],
+                attn: AttentionBackend, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream, h: input_layernorm(x). Returns the new stream and
+        next_norm of it (DecoderStack.pre_norm)."""
         h = self.mamba(h, attn) if self.is_mamba else self.self_attn(h, cos_sin, attn)
         x, h = add_then_norm(x, h, self.pre_ff_layernorm)
-        x, _ = add_then_norm(x, self.feed_forward(h), None)
-        return x
+        return add_then_norm(x, self.feed_forward(h), next_norm)
 
 
 class BambaForCausalLM(CausalLM):
@@ -151,10 +128,7 @@ class BambaForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos_sin = self.rope.cos_sin(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos_sin, attn)
-        return self.model.norm(x)
+        return self.model.pre_norm(x, self.rope.cos_sin(positions, x.dtype), attn)
 
     def adapt_state_dict(self, state_dict):  # noqa: ANN001, ANN201 - see CausalLM
         # HF's Bamba calls the final norm final_layernorm; DecoderStack calls it norm.

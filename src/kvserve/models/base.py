@@ -10,7 +10,6 @@ plus a line in models/registry.py.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, TypeVar
@@ -36,7 +35,7 @@ class KVLayer:
 
     Attention layers (FULL, SLIDING, CHUNKED) keep K and V of `kv_heads` x `head_dim`
     per token; a MAMBA layer keeps one recurrent state per sequence, the `STATE_DTYPE`
-    tensors of shapes `state` (`state_bytes` in all), reads and writes it through the
+    tensors of shapes `state`, reads and writes it through the
     backend's `states` and never calls the attention backend. Its checkpoints (copies of
     the state every `checkpoint_every` tokens, what prefix hits restore) are the memory
     core's; 0 leaves the interval to it.
@@ -55,12 +54,6 @@ class KVLayer:
     @property
     def attends(self) -> bool:
         return self.kind is not LayerKind.MAMBA
-
-    @property
-    def state_bytes(self) -> int:
-        """MAMBA: bytes of one sequence's state of this layer."""
-        item = torch.empty((), dtype=STATE_DTYPE).element_size()
-        return item * sum(math.prod(shape) for shape in self.state)
 
 
 @dataclass

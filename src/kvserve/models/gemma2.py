@@ -12,8 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.models.chat_template import GEMMA_CHAT_TEMPLATE
-from kvserve.models.checkpoint import hf_common, hf_rope_scaling
-from kvserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM, default_layer_types
+from kvserve.models.checkpoint import hf_rope_scaling
+from kvserve.models.gemma3 import (
+    Gemma3Config,
+    Gemma3ForCausalLM,
+    default_layer_types,
+    hf_gemma_fields,
+)
 
 
 @dataclass
@@ -54,17 +59,9 @@ def config_from_hf(hf: Any) -> Gemma2Config:
         raise NotImplementedError("bidirectional Gemma 2 (an encoder) is not served")
     rope = hf.rope_parameters or {}
     return Gemma2Config(
-        **hf_common(hf),
-        head_dim=hf.head_dim,
+        **hf_gemma_fields(hf),
         rope_theta=float(rope.get("rope_theta", 10_000.0)),
         rope_scaling=hf_rope_scaling(rope),
-        sliding_window=hf.sliding_window,
-        layer_types=list(hf.layer_types),
-        query_pre_attn_scalar=float(hf.query_pre_attn_scalar),
-        final_logit_softcapping=hf.final_logit_softcapping,
-        attn_logit_softcapping=hf.attn_logit_softcapping,
-        hidden_activation=hf.hidden_activation,
-        attention_bias=bool(getattr(hf, "attention_bias", False)),
     )
 
 

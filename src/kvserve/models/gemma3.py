@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -22,15 +21,12 @@ from kvserve.models.base import AttentionBackend, CausalLM, DecoderStack, KVLaye
 from kvserve.models.chat_template import GEMMA_CHAT_TEMPLATE
 from kvserve.models.checkpoint import gguf_common, gguf_rope_scaling, hf_common, hf_rope_scaling
 from kvserve.models.layers import (
-    Derived,
     GatedMLP,
-    Linear,
     RMSNorm,
     RotaryEmbedding,
+    SelfAttention,
     add_norm,
-    apply_rope,
     fuse_projections,
-    norm_rope,
 )
 
 SLIDING = "sliding_attention"
@@ -97,54 +93,14 @@ def default_layer_types(num_layers: int, pattern: int = 6) -> list[str]:
     return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
 
 
-def _qk_scale(n_heads: int, n_kv_heads: int, wq: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
-    """[q heads + kv heads, head_dim] norm scales of q_norm, then of k_norm (Gemma's 1 + w)."""
-    return torch.cat(((1.0 + wq.float()).expand(n_heads, -1),
-                      (1.0 + wk.float()).expand(n_kv_heads, -1)))
-
-
-class Gemma3Attention(nn.Module):
-    def __init__(self, config: Gemma3Config, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.n_heads = config.num_attention_heads
-        self.n_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        hidden, q_out = config.hidden_size, self.n_heads * self.head_dim
-        kv_out = self.n_kv_heads * self.head_dim
-        # q, k and v in one matmul (one read of x, one call); adapt_state_dict fuses
-        # the checkpoint's separate projections.
-        self.qkv_proj = Linear(hidden, q_out + 2 * kv_out, bias=config.attention_bias)
-        self.o_proj = Linear(q_out, hidden, bias=config.attention_bias)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
-            self.qk_scale = Derived(partial(_qk_scale, self.n_heads, self.n_kv_heads))
-
-    def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend
-    ) -> torch.Tensor:
-        n, D = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)
-        # q and k heads sit side by side: norm and rotate them in one pass each (the same
-        # per-head arithmetic as two passes, ~15 small ops fewer per layer).
-        qk = qkv[:, : (self.n_heads + self.n_kv_heads) * D].view(n, -1, D)
-        if hasattr(self, "q_norm"):
-            scale = self.qk_scale.get(self.q_norm.weight, self.k_norm.weight)
-            qk = norm_rope(qk, scale, self.q_norm.eps, cos_sin, in_place=True)
-        else:  # Gemma 2
-            qk = apply_rope(qk, *cos_sin)
-        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)
-        v = qkv[:, (self.n_heads + self.n_kv_heads) * D:].view(n, self.n_kv_heads, D)
-        out = attn(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(n, self.n_heads * D))
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: Gemma3Config, layer_idx: int) -> None:
         super().__init__()
         eps, hidden = config.rms_norm_eps, config.hidden_size
-        self.self_attn = Gemma3Attention(config, layer_idx)
+        self.self_attn = SelfAttention(
+            layer_idx, hidden, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, eps, config.attention_bias, config.attention_bias,
+            qk_norm=1.0 if config.qk_norm else None)
         self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation)
         self.input_layernorm = RMSNorm(hidden, eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(hidden, eps, offset=1.0)
@@ -256,13 +212,22 @@ def config_from_hf(hf: Any) -> Gemma3Config:
     ``gemma3``); its old/new RoPE layouts resolve into ``rope_parameters``."""
     text = getattr(hf, "text_config", None) or hf
     rope = text.rope_parameters
+    fields = {**hf_gemma_fields(text),
+              "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", True))}
     return Gemma3Config(
-        **{**hf_common(text), "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings",
-                                                                     True))},
-        head_dim=text.head_dim,
+        **fields,
         rope_theta=float(rope[FULL]["rope_theta"]),
         rope_local_base_freq=float(rope[SLIDING]["rope_theta"]),
         rope_scaling=hf_rope_scaling(rope[FULL]),
+    )
+
+
+def hf_gemma_fields(text: Any) -> dict[str, Any]:
+    """The fields Gemma 2 and Gemma 3 read alike from a transformers text config (all but
+    RoPE, which Gemma 3 sets per layer type)."""
+    return dict(
+        **hf_common(text),
+        head_dim=text.head_dim,
         sliding_window=text.sliding_window,
         layer_types=list(text.layer_types),
         query_pre_attn_scalar=float(text.query_pre_attn_scalar),

@@ -9,7 +9,6 @@ sliding window (Mistral: every layer; Qwen2/Qwen3/Ministral: `layer_types`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -19,15 +18,12 @@ from kvserve.memory.spec import LayerKind
 from kvserve.models.base import AttentionBackend, CausalLM, DecoderStack, KVLayer, ModelConfig
 from kvserve.models.checkpoint import gguf_common, gguf_rope_scaling, hf_common, hf_rope_scaling
 from kvserve.models.layers import (
-    Derived,
     GatedMLP,
-    Linear,
     RMSNorm,
     RotaryEmbedding,
+    SelfAttention,
     add_then_norm,
-    apply_rope,
     fuse_projections,
-    norm_rope,
     pairs_to_halves,
 )
 
@@ -68,47 +64,14 @@ class LlamaConfig(ModelConfig):
                 for t in self.layer_types]
 
 
-def _qk_scale(n_heads: int, n_kv_heads: int, wq: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
-    """[q heads + kv heads, head_dim] norm scales of q_norm, then of k_norm."""
-    return torch.cat((wq.float().expand(n_heads, -1), wk.float().expand(n_kv_heads, -1)))
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        D = self.head_dim = config.head_dim
-        # q, k and v in one matmul; adapt_state_dict fuses the checkpoint's projections.
-        self.qkv_proj = Linear(config.hidden_size, (self.n_heads + 2 * self.n_kv_heads) * D,
-                               bias=config.qkv_bias)
-        self.o_proj = Linear(self.n_heads * D, config.hidden_size, bias=config.o_bias)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(D, config.rms_norm_eps)
-            self.k_norm = RMSNorm(D, config.rms_norm_eps)
-            self.qk_scale = Derived(partial(_qk_scale, self.n_heads, self.n_kv_heads))
-
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...],
-                attn: AttentionBackend) -> torch.Tensor:
-        n, D = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)
-        qk = qkv[:, : (self.n_heads + self.n_kv_heads) * D].view(n, -1, D)
-        if hasattr(self, "q_norm"):  # Qwen3: per-head RMSNorm, then RoPE, one pass
-            scale = self.qk_scale.get(self.q_norm.weight, self.k_norm.weight)
-            qk = norm_rope(qk, scale, self.q_norm.eps, cos_sin, in_place=True)
-        else:
-            qk = apply_rope(qk, *cos_sin)
-        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)
-        v = qkv[:, (self.n_heads + self.n_kv_heads) * D:].view(n, self.n_kv_heads, D)
-        out = attn(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(n, self.n_heads * D))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
         eps, hidden = config.rms_norm_eps, config.hidden_size
-        self.self_attn = LlamaAttention(config, layer_idx)
+        self.self_attn = SelfAttention(
+            layer_idx, hidden, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, eps, config.qkv_bias, config.o_bias,
+            qk_norm=0.0 if config.qk_norm else None)
         self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_act,
                             bias=config.mlp_bias)
         self.input_layernorm = RMSNorm(hidden, eps)

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from kvserve.models import registry
 from kvserve.models.base import CausalLM, ModelConfig
+from kvserve.models.checkpoint import eos_ids
 from kvserve.paths import default_cache_dir
 
 if TYPE_CHECKING:  # transformers is slow to import; only the tokenizer path needs it
@@ -288,15 +289,8 @@ def hf_config(model_dir: Path) -> ModelConfig:
     if (model_dir / "generation_config.json").is_file():
         eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
         if eos is not None:
-            config.eos_token_ids = [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+            config.eos_token_ids = eos_ids(eos)
     return config
-
-
-def eos_ids(eos: Any) -> list[int]:
-    """An HF config's eos_token_id (an int, a list or None) as a list."""
-    if eos is None:
-        return []
-    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
 
 
 _HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
