@@ -37,7 +37,8 @@ def run_point(trace_spec: str, args: argparse.Namespace) -> dict:
         cfg = SimConfig(model, get_gpu(args.gpu), policy=policy,
                         fp8_weights=args.gpu in model.fp8_gpus,  # the paper's Table 1
                         max_model_len=args.max_model_len,
-                        gpu_utilization=args.gpu_utilization, mem_every=1 << 30)
+                        gpu_utilization=args.gpu_utilization, mem_every=1 << 30,
+                        max_num_batched_tokens=args.max_num_batched_tokens)
         sim = Simulator(cfg)
         res = sim.run(trace)
         # Hits at each request's first admission (re-admissions after preemption excluded).
@@ -78,6 +79,9 @@ def main() -> None:
     ap.add_argument("--gpu", default="h100")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--gpu-utilization", type=float, default=0.9)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the step's token budget (default: the simulator's, vLLM v0's "
+                         "max(max_model_len, 2048); vLLM v1 serves with 8192 on an H100)")
     ap.add_argument("--articles", type=int, nargs="+", default=[2, 4, 8, 12, 16, 32, 64])
     ap.add_argument("--orders", nargs="+", default=["round_robin", "shuffled"])
     ap.add_argument("--rates", type=float, nargs="+", default=[1.0, 4.0])

@@ -88,10 +88,11 @@ def test_prefix_hit_computes_less_and_matches_hf(kv, hf_greedy, prompts):
 
 def test_preemption_under_a_small_budget_matches_hf(kv, hf_greedy, prompts):
     base = prompts["p700"]
-    ps = [base[:300 + 40 * i] for i in range(3)]
-    # 24 MiB does not hold the three requests' decodes: one is preempted mid-decode and
-    # recomputed (at 36 MiB none is).
-    engine = make_engine(kv, kv_memory=24 * MiB, max_num_batched_tokens=512)
+    # No shared prefix (a request would wait for another's and hit it instead).
+    ps = [base[:1] + base[1 + 7 * i:300 + 40 * i] for i in range(3)]
+    # 20 MiB does not hold the three requests' decodes: one is preempted mid-decode and
+    # recomputed (at 24 MiB none is).
+    engine = make_engine(kv, kv_memory=20 * MiB, max_num_batched_tokens=512)
     out, _ = generate(engine, ps)
     assert engine.scheduler.num_preemptions > 0
     check(hf_greedy, ps, out)

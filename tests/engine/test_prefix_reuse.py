@@ -86,3 +86,19 @@ def layout_twin(model: Gemma3ForCausalLM) -> Gemma3ForCausalLM:
     config = dataclasses.replace(model.config, hidden_size=8, intermediate_size=8,
                                  num_attention_heads=model.config.num_key_value_heads)
     return Gemma3ForCausalLM(config).to(model.dtype).eval()
+
+
+def test_two_questions_sent_together_compute_their_document_once(kv, hf_greedy, questions):
+    # The second request waits while the first computes the document, then hits all of it.
+    engine = LLMEngine(kv.model, kv.tokenizer, EngineConfig(kv_memory=BUDGET))
+    pair = [questions[0], questions[3]]  # document 0, two questions
+    reqs = [engine.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
+            for i, p in enumerate(pair)]
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+    assert [r.num_cached_tokens for r in reqs] == [0, DOC]
+    for i, prompt in enumerate(pair):
+        assert_same_greedy(outs[str(i)], hf_greedy(prompt))

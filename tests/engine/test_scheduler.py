@@ -35,3 +35,36 @@ def test_the_last_request_in_the_queue_starts_anyway():
     sched.add(_request("a", 8))
     batch, _ = sched.schedule()  # nothing behind it: waiting would idle the engine
     assert [s.request.request_id for s in batch] == ["a"]
+
+
+def _shared(rid: str, doc: list[int], n: int) -> Request:
+    tail = [hash((rid, i)) % 1000 for i in range(n)]
+    return Request(rid, None, doc + tail, SamplingParams(), 0.0)
+
+
+def test_a_request_waits_for_the_prefix_a_running_one_computes():
+    kv = KVCacheManager([FULL], T * 8 * 64, tokens_per_page=T)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16)
+    doc = list(range(40))  # a prefill of three 16-token steps
+    sched.add(_shared("a", doc, 3))
+    sched.add(_shared("b", doc, 5))  # last in the queue, yet it waits: "a" is not idle
+    steps = []
+    for _ in range(5):
+        batch, _ = sched.schedule()
+        sched.commit(batch)
+        steps.append(batch)
+        if any(s.request.request_id == "b" for s in batch):
+            break
+    assert [[s.request.request_id for s in b] for b in steps] == [["a"], ["a"], ["a", "b"]]
+    # "b" started once what was left of the document was less than half its prompt
+    assert steps[-1][1].request.num_cached_tokens == 32
+
+
+def test_only_a_prefix_that_is_most_of_the_prompt_is_waited_for():
+    kv = KVCacheManager([FULL], T * 8 * 64, tokens_per_page=T)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=256)
+    doc = list(range(16))
+    sched.add(_shared("a", doc, 3))
+    sched.add(_shared("b", doc, 40))  # shares 16 of 56 tokens: computing it costs little
+    batch, _ = sched.schedule()
+    assert [s.request.request_id for s in batch] == ["a", "b"]

@@ -200,3 +200,23 @@ def test_supply_below_counts_free_and_unused_large_pages_under_a_key():
     assert alloc.supply_below(3) == [2]  # and the page cached at step 1
     assert alloc.supply_below(10) == [3]
     check_invariants_alloc(alloc)
+
+
+def test_a_block_computed_again_replaces_its_unused_cached_page():
+    # An unused cached copy left past what lookups could serve would keep its old
+    # eviction key inside a prefix in use again: the new page takes its place.
+    alloc = make(num_large=2)
+    old = alloc.allocate("r", [(0, 2)])[0]
+    cache(alloc, 0, old, now=1, key="k")
+    new = alloc.allocate("s", [(0, 1)])[0]
+    assert alloc.insert(0, new[0], ("k", 0), 1)
+    sp = alloc.specs[0]
+    assert sp.cached[("k", 0)] == new[0] and sp.hash[old[0]] is None
+    alloc.free(0, new, now=5)
+    assert sp.last[new[0]] == 5 and sp.cached[("k", 1)] == old[1]
+    # A cached page in use stays: the new one remains private.
+    alloc.claim(0, new)
+    other = alloc.allocate("t", [(0, 1)])[0]
+    assert not alloc.insert(0, other[0], ("k", 0), 1)
+    assert sp.cached[("k", 0)] == new[0] and sp.hash[other[0]] is None
+    alloc.free(0, other + new, now=6)

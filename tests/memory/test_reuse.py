@@ -313,3 +313,20 @@ def test_a_loop_miss_waits_for_room_and_for_other_loop_misses():
     mgr.abort("b")
     check_invariants(mgr)
     assert not mgr._waits
+
+
+def test_a_prompt_being_computed_is_waited_for_until_its_request_stops():
+    mgr = make(200)
+    mgr.add_request("a", ARTICLE + [500, 501, 502])
+    mgr.lookup("a")
+    assert mgr.allocate_slots("a", 32)  # the first half of the article
+    mgr.add_request("b", ARTICLE + [600, 601])
+    mgr.lookup("b")
+    assert mgr.waits_for_prefix("b")  # "a" computes 16 of its 16 full blocks
+    mgr.abort("b")
+    mgr.abort("a")  # stopped mid-prompt: nothing is being computed any more
+    check_invariants(mgr)
+    assert not mgr.computing
+    mgr.add_request("b", ARTICLE + [600, 601])
+    mgr.lookup("b")
+    assert not mgr.waits_for_prefix("b")

@@ -110,8 +110,10 @@ class Scheduler:
             hit = self.kv.lookup(req.request_id)
             n = min(len(req.token_ids) - hit, budget)
             # The memory core may ask a request to let the ones behind it go first;
-            # the last one in the queue starts anyway, so the engine never idles.
-            if i + 1 < len(self.waiting) and not self.kv.can_start(req.request_id, n):
+            # the last one in the queue starts anyway, so the engine never idles
+            # (unless a running request computes its prefix: it hits once done).
+            if (self.kv.waits_for_prefix(req.request_id)
+                    or i + 1 < len(self.waiting) and not self.kv.can_start(req.request_id, n)):
                 self.kv.abort(req.request_id)
                 i += 1
                 continue

@@ -691,12 +691,20 @@ class TwoLevelAllocator:
     def insert(self, s: int, pid: int, h: Hashable, plen: int) -> bool:
         """Publish a used page's KV under block hash `h`.
 
-        Returns False when another page already caches `h` (the page then
-        stays private and becomes empty when freed).
+        An unused page caching `h` already is replaced: it was left by an
+        earlier request past what a lookup could serve (a prefix whose other
+        layer types were evicted), and keeping it would keep its old eviction
+        key inside a prefix now in use. Returns False when a used page caches
+        `h` (this page then stays private and becomes empty when freed).
         """
         sp = self.specs[s]
-        if h in sp.cached or sp.hash[pid] is not None:
+        if sp.hash[pid] is not None:
             return False
+        old = sp.cached.get(h)
+        if old is not None:
+            if sp.ref[old]:
+                return False
+            self.discard(s, [old], DEAD)
         sp.cached[h] = pid
         sp.hash[pid] = h
         sp.plen[pid] = plen

@@ -164,6 +164,8 @@ class KVCacheManager:
         self.num_admitted = 0  # first allocations: how long a deferred loop miss waited
         self.queried_tokens = 0
         self.hit_tokens = 0
+        # Prompt blocks running requests are computing now -> how many compute each.
+        self.computing: dict[Hashable, int] = {}
 
     @property
     def num_large_pages(self) -> int:
@@ -378,6 +380,7 @@ class KVCacheManager:
             self.queried_tokens += len(r.tokens)
             self.hit_tokens += r.num_hit
             self.num_admitted += 1
+            self._compute_prompt(r, len(r.hashes))
             if r.num_host_hit:
                 self.host.hit_tokens += r.num_host_hit
         r.num_alloc = upto
@@ -399,12 +402,15 @@ class KVCacheManager:
             for m in self.managers:
                 m.release_inactive(r, done, self.now)
         r.num_computed = done
+        if done >= r.prompt_len:
+            self._compute_prompt(r, 0)
 
     def finish(self, req_id: RequestId) -> None:
         """Release every page; those holding hashed KV stay as evictable cache."""
         r = self.reqs.pop(req_id, None)
         if r is None:
             raise KeyError(f"unknown request {req_id!r}")
+        self._compute_prompt(r, 0)
         for m in self.managers:
             m.free_all(r, self._key(r))
         if self.write_behind:
@@ -415,6 +421,35 @@ class KVCacheManager:
         self.alloc.forget_request(req_id)
 
     abort = finish  # an abort keeps what was computed: it is valid KV
+
+    def _compute_prompt(self, r: RequestKV, upto: int) -> None:
+        """r computes its prompt blocks [hit, upto) now (upto 0: it stopped)."""
+        if not self.enable_caching or upto == r.computing:
+            return
+        computing, hashes = self.computing, r.hashes
+        for b in range(r.num_hit // self.T, r.computing):
+            h = hashes[b]
+            if computing[h] == 1:
+                del computing[h]
+            else:
+                computing[h] -= 1
+        for b in range(r.num_hit // self.T, upto):
+            computing[hashes[b]] = computing.get(hashes[b], 0) + 1
+        r.computing = upto
+
+    def waits_for_prefix(self, req_id: RequestId) -> bool:
+        """After lookup: whether most of the request's prompt is being computed by a
+        running request right now. Then it should wait a step or a few and hit
+        that prefix, not compute it a second time beside it (two questions on one
+        new document arriving together: the second costs a few tokens, not the
+        document). The engine does not idle while it waits: the other one runs.
+        """
+        r = self._req(req_id)
+        hashes, computing = r.hashes, self.computing
+        b = q = r.num_hit // self.T
+        while b < len(hashes) and hashes[b] in computing:
+            b += 1
+        return 2 * (b - q) * self.T >= r.prompt_len
 
     def can_start(self, req_id: RequestId, num_new_tokens: int) -> bool:
         """After lookup: whether the request should start now (False: it waits, and the
