@@ -15,11 +15,9 @@ def check_invariants(mgr: KVCacheManager) -> None:
         for sp, pb in zip(alloc.specs, layout.page_bytes)
     )
     assert held + alloc.num_free_large() * layout.large_page_bytes == mgr.pool_bytes
-    # Prompt blocks in computation: exactly those of the running requests' prefills.
-    computing = Counter(h for r in mgr.reqs.values()
-                        for h in r.hashes[r.num_hit // mgr.T:r.computing])
-    assert computing == Counter(mgr.computing)
-    assert all(r.computing == 0 or r.num_computed < r.prompt_len for r in mgr.reqs.values())
+    # Requests computing their prompt: started (a first allocation), prompt not done.
+    assert all(mgr.reqs.get(rid) is r and r.num_alloc > r.num_hit and
+               r.num_computed < r.prompt_len for rid, r in mgr.computing.items())
     free = [lp for part in alloc.free_large for lp in part]
     assert len(free) == len(set(free)), "a large page is free twice"
     assert all(alloc.owner[lp] == -1 and alloc.emask[lp] == 0 for lp in free)

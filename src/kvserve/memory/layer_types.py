@@ -73,8 +73,6 @@ class RequestKV:
     # per spec: pages out of the window or checkpoints a reuse point needs, still
     # referenced by the request; freed at finish with the rest
     held: dict[int, list[int]] = field(default_factory=dict)
-    # prompt blocks [hit, computing) this request computes now: KVCacheManager.computing
-    computing: int = 0
     # DistAttention: leading tokens whose full-attention KV was lent to other instances
     # (their table entries are NO_PAGE here); a multiple of the block size
     lent: int = 0

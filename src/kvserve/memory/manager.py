@@ -164,8 +164,8 @@ class KVCacheManager:
         self.num_admitted = 0  # first allocations: how long a deferred loop miss waited
         self.queried_tokens = 0
         self.hit_tokens = 0
-        # Prompt blocks running requests are computing now -> how many compute each.
-        self.computing: dict[Hashable, int] = {}
+        # Running requests still computing their prompt: waits_for_prefix.
+        self.computing: dict[RequestId, RequestKV] = {}
 
     @property
     def num_large_pages(self) -> int:
@@ -380,7 +380,7 @@ class KVCacheManager:
             self.queried_tokens += len(r.tokens)
             self.hit_tokens += r.num_hit
             self.num_admitted += 1
-            self._compute_prompt(r, len(r.hashes))
+            self._compute_prompt(r, True)
             if r.num_host_hit:
                 self.host.hit_tokens += r.num_host_hit
         r.num_alloc = upto
@@ -403,14 +403,14 @@ class KVCacheManager:
                 m.release_inactive(r, done, self.now)
         r.num_computed = done
         if done >= r.prompt_len:
-            self._compute_prompt(r, 0)
+            self._compute_prompt(r, False)
 
     def finish(self, req_id: RequestId) -> None:
         """Release every page; those holding hashed KV stay as evictable cache."""
         r = self.reqs.pop(req_id, None)
         if r is None:
             raise KeyError(f"unknown request {req_id!r}")
-        self._compute_prompt(r, 0)
+        self._compute_prompt(r, False)
         for m in self.managers:
             m.free_all(r, self._key(r))
         if self.write_behind:
@@ -422,20 +422,14 @@ class KVCacheManager:
 
     abort = finish  # an abort keeps what was computed: it is valid KV
 
-    def _compute_prompt(self, r: RequestKV, upto: int) -> None:
-        """r computes its prompt blocks [hit, upto) now (upto 0: it stopped)."""
-        if not self.enable_caching or upto == r.computing:
+    def _compute_prompt(self, r: RequestKV, computing: bool) -> None:
+        """r starts (True) or stops computing its prompt."""
+        if not self.enable_caching:
             return
-        computing, hashes = self.computing, r.hashes
-        for b in range(r.num_hit // self.T, r.computing):
-            h = hashes[b]
-            if computing[h] == 1:
-                del computing[h]
-            else:
-                computing[h] -= 1
-        for b in range(r.num_hit // self.T, upto):
-            computing[hashes[b]] = computing.get(hashes[b], 0) + 1
-        r.computing = upto
+        if computing:
+            self.computing[r.req_id] = r
+        else:
+            self.computing.pop(r.req_id, None)
 
     def waits_for_prefix(self, req_id: RequestId) -> bool:
         """After lookup: whether most of the request's prompt is being computed by a
@@ -445,11 +439,11 @@ class KVCacheManager:
         document). The engine does not idle while it waits: the other one runs.
         """
         r = self._req(req_id)
-        hashes, computing = r.hashes, self.computing
-        b = q = r.num_hit // self.T
-        while b < len(hashes) and hashes[b] in computing:
-            b += 1
-        return 2 * (b - q) * self.T >= r.prompt_len
+        hashes = r.hashes
+        q = r.num_hit // self.T
+        shared = max((_common_blocks(hashes, o.hashes, q) for o in self.computing.values()
+                      if o is not r), default=q)
+        return 2 * (shared - q) * self.T >= r.prompt_len
 
     def can_start(self, req_id: RequestId, num_new_tokens: int) -> bool:
         """After lookup: whether the request should start now (False: it waits, and the
@@ -672,3 +666,22 @@ class KVCacheManager:
 def _loop_miss(r: RequestKV) -> bool:
     """A loop member that hit less than half its prompt."""
     return r.loop and r.num_hit < r.prompt_len // 2
+
+
+def _common_blocks(a: list[int], b: list[int], lo: int) -> int:
+    """How many leading blocks two hash chains share, knowing it is not below lo.
+
+    A block's hash covers its whole prefix, so the chains agree up to some
+    block and differ from there on: a binary search finds it.
+    """
+    hi = min(len(a), len(b))
+    if lo >= hi or a[lo] != b[lo]:
+        return lo
+    lo += 1
+    while lo < hi:  # a[:lo] == b[:lo]; find the first block that differs
+        mid = (lo + hi) // 2
+        if a[mid] == b[mid]:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
