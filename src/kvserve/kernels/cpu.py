@@ -170,16 +170,14 @@ class CpuKernels:
                               out.data_ptr(), torch.get_num_threads())
         return out
 
-    Q8_MAX_ROWS = 4  # qmatmul.c keeps this many rows' sums in registers
-
     def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        """x [M <= 4, K] float32 (unit stride in K) @ W.T for W in Q8_0 blocks: q int8
+        """x [M, K] float32 (unit stride in K, any M >= 0) @ W.T for W in Q8_0 blocks: q int8
         [N, K], d float32 [N, K / 32] (W[n, 32b + i] = d[n, b] * q[n, 32b + i]) -> [M, N]."""
         M, K = x.shape
         N = q.shape[0]
-        if (x.dtype != torch.float32 or x.stride(-1) != 1 or not 1 <= M <= self.Q8_MAX_ROWS
-                or K % 32 or q.shape != (N, K) or d.shape != (N, K // 32)):
-            raise ValueError("q8_matmul: x float32 [1..4, K], q int8 [N, K], d [N, K/32], "
+        if (x.dtype != torch.float32 or x.stride(-1) != 1 or K % 32 or q.shape != (N, K)
+                or d.shape != (N, K // 32)):
+            raise ValueError("q8_matmul: x float32 [M, K], q int8 [N, K], d [N, K/32], "
                              "K a multiple of 32")
         y = torch.empty((M, N), dtype=torch.float32)
         rc = self.lib.kvs_q8_matmul(_ptr(q, torch.int8, N * K),
