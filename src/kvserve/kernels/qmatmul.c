@@ -24,157 +24,187 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
-#define TILE 4      /* activation rows per micro-kernel call */
+#define ROWS 4      /* activation rows per micro-kernel call */
+#define COLS 2      /* output columns per micro-kernel call */
+#define GROUP 128   /* weights per interleaved group: 4 blocks */
 #define CHUNK 64    /* output columns per OpenMP work item */
+#define AHEAD 4     /* columns ahead whose weights are prefetched */
+
+/* Position of element j of block k (k < 4) within its group (see kvs_q8_pack): 16-value
+ * steps i, each holding pair i of every (half, block) lane side by side. */
+static inline int group_pos(int k, int j) {
+    const int half = j / 16, i = (j % 16) / 2;
+    return 16 * i + 2 * (4 * half + k) + j % 2;
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define INT16_PATH 1
 #define INLINE static inline __attribute__((always_inline))
 
 #if defined(__AVX512BW__)
-/* The 4 rows' sums of 16 int32 lanes, folded into [r0 r1 r2 r3] per 128-bit quarter:
- * two rounds of interleave-and-add. */
-INLINE __m512i fold4(__m512i p0, __m512i p1, __m512i p2, __m512i p3) {
-    const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(p0, p1),
-                                       _mm512_unpackhi_epi32(p0, p1));
-    const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(p2, p3),
-                                       _mm512_unpackhi_epi32(p2, p3));
-    return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
-}
-
-/* out[r] = sum_b d[b] * xs[4 b + r] * (q block b . x row r block b) for rows r < R (R a
- * compile-time constant; absent rows skip their multiply). A block of 32 int16 is one
- * register: one widening and one vpmaddwd per row. */
-INLINE void tile_col(const int R, const int8_t *q, const float *d, const int16_t *x,
-                     int64_t K, const float *xs, int nb, float *out) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * b)));
-        __m512i p[TILE];
-        for (int r = 0; r < TILE; r++)
-            p[r] = r < R ? _mm512_madd_epi16(w, _mm512_loadu_si512(x + r * K + 32 * b))
-                         : _mm512_setzero_si512();
-        const __m512 scale = _mm512_mul_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(xs + 4 * b)),
-                                           _mm512_set1_ps(d[b]));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(fold4(p[0], p[1], p[2], p[3])), scale, acc);
-    }
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    float all[4];
-    _mm_storeu_ps(all, s);
-    for (int r = 0; r < R; r++) out[r] = all[r];
-}
+/* 16 int32 lanes: two 16-value steps at once (lanes 8-15 repeat 0-7's (half, block)). */
+typedef __m512i ivec;
+typedef __m512 fvec;
+#define STEP 32
+#define LOAD_W(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
+#define LOAD_X(p) _mm512_loadu_si512(p)
+#define MADD _mm512_madd_epi16
+#define IADD _mm512_add_epi32
+#define IZERO _mm512_setzero_si512
+#define FZERO _mm512_setzero_ps
+#define TO_F _mm512_cvtepi32_ps
+#define FMUL _mm512_mul_ps
+#define FMA _mm512_fmadd_ps
+#define BCAST4(p) _mm512_broadcast_f32x4(_mm_loadu_ps(p))
+#define HSUM _mm512_reduce_add_ps
 #else
-/* Row r's block product: 8 int32 lanes (pairs summed by vpmaddwd, exact: |w x| < 2^22). */
-INLINE __m256i block_dot(__m256i w0, __m256i w1, const int16_t *x) {
-    return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
-                            _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
-}
-
-/* out[r] = sum_b d[b] * xs[4 b + r] * (q block b . x row r block b) for rows r < R (R a
- * compile-time constant; absent rows skip their multiplies). Two rounds of horizontal adds
- * leave [r0 r1 r2 r3] sums of each 128-bit half, converted and scaled together. */
-INLINE void tile_col(const int R, const int8_t *q, const float *d, const int16_t *x,
-                     int64_t K, const float *xs, int nb, float *out) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 32 * b)));
-        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 32 * b + 16)));
-        __m256i p[TILE];
-        for (int r = 0; r < TILE; r++)
-            p[r] = r < R ? block_dot(w0, w1, x + r * K + 32 * b) : _mm256_setzero_si256();
-        const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]),
-                                               _mm256_hadd_epi32(p[2], p[3]));
-        const __m256 scale = _mm256_mul_ps(_mm256_broadcast_ps((const __m128 *)(xs + 4 * b)),
-                                           _mm256_set1_ps(d[b]));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
-    }
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    float all[4];
-    _mm_storeu_ps(all, s);
-    for (int r = 0; r < R; r++) out[r] = all[r];
+/* 8 int32 lanes: one 16-value step. */
+typedef __m256i ivec;
+typedef __m256 fvec;
+#define STEP 16
+#define LOAD_W(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
+#define LOAD_X(p) _mm256_loadu_si256((const __m256i *)(p))
+#define MADD _mm256_madd_epi16
+#define IADD _mm256_add_epi32
+#define IZERO _mm256_setzero_si256
+#define FZERO _mm256_setzero_ps
+#define TO_F _mm256_cvtepi32_ps
+#define FMUL _mm256_mul_ps
+#define FMA _mm256_fmadd_ps
+#define BCAST4(p) _mm256_broadcast_ps((const __m128 *)(p))
+static inline float HSUM(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #endif
 
-/* Row x (K values) to int16 blocks of 32 with one scale each: x = xd[b] * xq[32 b + i],
- * rounded to nearest; the error is at most 2^-16 of the block's largest |x|. The scales go
- * to xd[4 b] (the row's place in its tile's interleaved scales). */
-static void quantize_x16(const float *x, int nb, int16_t *xq, float *xd) {
-    for (int b = 0; b < nb; b++) {
-        const float *xb = x + 32 * b;
-        float amax = 0.f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-        xd[4 * b] = amax / 32767.f;
-        for (int i = 0; i < 32; i++) xq[32 * b + i] = (int16_t)lrintf(xb[i] * inv);
+/* y[r][c] for R rows of x (int16, interleaved like the weights; scales xd, row stride
+ * Kp / 32) against C columns of q (d: their scales), R <= ROWS, C <= COLS compile-time
+ * constants so the loops unroll into registers. Within a group every lane sums exactly in
+ * int32 (16 products of |w x| < 2^22); the lanes' 4 blocks are scaled in float32 at the
+ * end of the group. */
+INLINE void tile(const int R, const int C, const int8_t *q, const float *d, const int16_t *x,
+                 const float *xd, int Kp, int64_t N, float *y) {
+    const int nb = Kp / 32;
+    fvec acc[ROWS][COLS];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = FZERO();
+    for (int g = 0; g < Kp; g += GROUP) {
+        /* Weights streamed from memory (the LM head at decode) wait on their loads
+         * otherwise: two columns read side by side defeat the hardware prefetcher. */
+        for (int c = 0; c < C; c++) {
+            __builtin_prefetch(q + (int64_t)(AHEAD + c) * Kp + g);
+            __builtin_prefetch(q + (int64_t)(AHEAD + c) * Kp + g + 64);
+        }
+        ivec sum[ROWS][COLS];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) sum[r][c] = IZERO();
+        for (int i = 0; i < GROUP; i += STEP) {
+            ivec w[COLS];
+            for (int c = 0; c < C; c++) w[c] = LOAD_W(q + (int64_t)c * Kp + g + i);
+            for (int r = 0; r < R; r++) {
+                const ivec xv = LOAD_X(x + (int64_t)r * Kp + g + i);
+                for (int c = 0; c < C; c++) sum[r][c] = IADD(sum[r][c], MADD(w[c], xv));
+            }
+        }
+        for (int c = 0; c < C; c++) {
+            const fvec dc = BCAST4(d + (int64_t)c * nb + g / 32);
+            for (int r = 0; r < R; r++)
+                acc[r][c] = FMA(TO_F(sum[r][c]), FMUL(dc, BCAST4(xd + (int64_t)r * nb + g / 32)),
+                                acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) y[r * N + c] = HSUM(acc[r][c]);
+}
+
+/* One instance per (rows, columns) shape: tile()'s loops unroll only for constants. */
+#define TILE_CASE(R, C) case (R - 1) * COLS + C - 1: tile(R, C, q, d, x, xd, Kp, N, y); break;
+static void tile_any(int R, int C, const int8_t *q, const float *d, const int16_t *x,
+                     const float *xd, int Kp, int64_t N, float *y) {
+    switch ((R - 1) * COLS + C - 1) {
+        TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(2, 1) TILE_CASE(2, 2)
+        TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(4, 1) TILE_CASE(4, 2)
     }
 }
 
-/* One tile of R rows (x: its int16 rows, xs: its scales) against columns [n0, n1). */
-static void tile_cols(int R, const int8_t *q, const float *d, const int16_t *x, int K,
-                      const float *xs, int64_t n0, int64_t n1, int64_t N, float *y) {
-    const int nb = K / 32;
-    for (int64_t n = n0; n < n1; n++) {
-        float out[TILE];
-        const int8_t *qn = q + n * K;
-        const float *dn = d + n * nb;
-        switch (R) {  /* one instance per row count: the row loops unroll */
-        case 1: tile_col(1, qn, dn, x, K, xs, nb, out); break;
-        case 2: tile_col(2, qn, dn, x, K, xs, nb, out); break;
-        case 3: tile_col(3, qn, dn, x, K, xs, nb, out); break;
-        default: tile_col(4, qn, dn, x, K, xs, nb, out); break;
+/* Row x (K values) to int16 blocks of 32 with one scale each, x = xd[b] * xq[...], rounded
+ * to nearest (the error is at most 2^-16 of the block's largest |x|), stored interleaved as
+ * the weights are; blocks past K (up to Kp) are zero. The rounding loops vectorise (rintf
+ * is one instruction; lrintf and fmaxf stay library calls under -fmath-errno); the
+ * interleave then moves pairs of values as 32-bit words. */
+static void quantize_x16(const float *x, int K, int Kp, int16_t *xq, float *xd) {
+    for (int g = 0; g < Kp; g += GROUP) {
+        int16_t plain[GROUP];
+        for (int k = 0; k < 4; k++) {
+            const int b = g / 32 + k;
+            const float *xb = x + 32 * b;
+            int16_t *v = plain + 32 * k;
+            float amax = 0.f;
+            for (int j = 0; b * 32 < K && j < 32; j++)
+                amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+            xd[b] = amax / 32767.f;
+            if (amax > 0.f)
+                for (int j = 0; j < 32; j++) v[j] = (int16_t)rintf(xb[j] * inv);
+            else
+                for (int j = 0; j < 32; j++) v[j] = 0;
         }
-        for (int r = 0; r < R; r++) y[r * N + n] = out[r];
+        for (int k = 0; k < 4; k++)
+            for (int j = 0; j < 32; j += 2) memcpy(xq + g + group_pos(k, j), plain + 32 * k + j, 4);
     }
 }
 
 static int q8_gemm(const int8_t *q, const float *d, const float *x, int64_t ldx, int M,
                    int64_t N, int K, float *y, int threads) {
-    const int nb = K / 32, tiles = (M + TILE - 1) / TILE;
-    /* xq: M rows of int16; xs: per tile and block, its rows' scales side by side */
-    int16_t *xq = malloc((size_t)M * K * sizeof(int16_t));
-    float *xs = calloc((size_t)tiles * nb * TILE, sizeof(float));
-    if (!xq || !xs) {
+    const int Kp = (K + GROUP - 1) / GROUP * GROUP, nb = Kp / 32;
+    int16_t *xq = malloc((size_t)M * Kp * sizeof(int16_t));
+    float *xd = malloc((size_t)M * nb * sizeof(float));
+    if (!xq || !xd) {
         free(xq);
-        free(xs);
+        free(xd);
         return 2;
     }
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++)
-            quantize_x16(x + m * ldx, nb, xq + (size_t)m * K,
-                         xs + (size_t)(m / TILE) * nb * TILE + m % TILE);
+            quantize_x16(x + m * ldx, K, Kp, xq + (size_t)m * Kp, xd + (size_t)m * nb);
+        /* A chunk's weights stay in L2 while every row tile (in L1) passes over them. One
+         * row (decode) is bound by reading the weights: one column at a time streams them
+         * fastest (measured on the 262k-row LM head). */
+        const int cols = M == 1 ? 1 : COLS;
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < (N + CHUNK - 1) / CHUNK; c++) {
-            const int64_t n0 = c * CHUNK, n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
-            for (int t = 0; t < tiles; t++) {
-                const int R = M - t * TILE < TILE ? M - t * TILE : TILE;
-                tile_cols(R, q, d, xq + (size_t)t * TILE * K, K, xs + (size_t)t * nb * TILE,
-                          n0, n1, N, y + (size_t)t * TILE * N);
-            }
+        for (int64_t n0 = 0; n0 < N; n0 += CHUNK) {
+            const int64_t n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
+            for (int m = 0; m < M; m += ROWS)
+                for (int64_t n = n0; n < n1; n += cols)
+                    tile_any(M - m < ROWS ? M - m : ROWS, n1 - n < cols ? n1 - n : cols,
+                             q + n * Kp, d + n * nb, xq + (size_t)m * Kp, xd + (size_t)m * nb,
+                             Kp, N, y + (size_t)m * N + n);
         }
     }
     free(xq);
-    free(xs);
+    free(xd);
     return 0;
 }
 #else
 /* The plain path: float32 products of the int8 weights and the float32 activations. */
 static int q8_gemm(const int8_t *q, const float *d, const float *x, int64_t ldx, int M,
                    int64_t N, int K, float *y, int threads) {
-    const int nb = K / 32;
+    const int Kp = (K + GROUP - 1) / GROUP * GROUP, nb = Kp / 32;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         for (int m = 0; m < M; m++) {
             float acc = 0.f;
-            for (int b = 0; b < nb; b++) {
-                const int8_t *qb = q + n * K + 32 * b;
+            for (int b = 0; b < K / 32; b++) {
+                const int8_t *group = q + n * Kp + (b / 4) * GROUP;
                 const float *xb = x + m * ldx + 32 * b;
                 float s = 0.f;
-                for (int i = 0; i < 32; i++) s += (float)qb[i] * xb[i];
+                for (int j = 0; j < 32; j++) s += (float)group[group_pos(b % 4, j)] * xb[j];
                 acc += d[n * nb + b] * s;
             }
             y[m * N + n] = acc;
@@ -184,13 +214,30 @@ static int q8_gemm(const int8_t *q, const float *d, const float *x, int64_t ldx,
 }
 #endif
 
-/* y[m][n] = sum_b d[n][b] * sum_i q[n][32b + i] * x[m][32b + i] for m < M.
- * q: int8 [N][K], d: float [N][K/32], x: float rows of K (row stride ldx), y: [M][N].
- * Returns 1 if K is not a multiple of 32 or M < 0, 2 if scratch memory could not be had,
- * else 0. */
+/* y[m][n] = sum_b d[n][b] * sum_j W[n][32b + j] * x[m][32b + j] for m < M, with W's int8
+ * values q and scales d as kvs_q8_pack lays them out (Kp = K rounded up to 128);
+ * x: float rows of K (row stride ldx), y: [M][N]. Returns 1 if K is not a multiple of 32
+ * or M < 0, 2 if scratch memory could not be had, else 0. */
 int kvs_q8_matmul(const int8_t *q, const float *d, const float *x, int64_t ldx, int M,
                   int64_t N, int K, float *y, int threads) {
     if (K % 32 || M < 0) return 1;
     if (M == 0 || N == 0) return 0;
     return q8_gemm(q, d, x, ldx, M, N, K, y, threads);
+}
+
+/* Q8_0 blocks (q int8 [N][K], d float [N][K/32], K a multiple of 32) in the layout
+ * kvs_q8_matmul reads: rows padded with zero blocks to Kp = K rounded up to 128 (qp
+ * [N][Kp], dp [N][Kp/32]), each group of 4 blocks interleaved by group_pos. */
+void kvs_q8_pack(const int8_t *q, const float *d, int64_t N, int K, int8_t *qp, float *dp,
+                 int threads) {
+    const int Kp = (K + GROUP - 1) / GROUP * GROUP, nb = K / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int b = 0; b < Kp / 32; b++) {
+            int8_t *group = qp + n * Kp + (b / 4) * GROUP;
+            for (int j = 0; j < 32; j++)
+                group[group_pos(b % 4, j)] = b < nb ? q[n * K + 32 * b + j] : 0;
+            dp[n * (Kp / 32) + b] = b < nb ? d[n * nb + b] : 0.f;
+        }
+    }
 }
