@@ -1,11 +1,12 @@
 """Every CPU matmul candidate for Gemma 3 270M's linear shapes, as ratios to float32 F.linear.
 
-    python benchmarks/cpu_linears.py [--repeat 20]
+    python benchmarks/cpu_linears.py [--repeat 20] [--tokens 1,8,32,128,512] [--only q8,...]
 
 Candidates: float32 F.linear; bf16 F.linear (oneDNN, native only with AVX-512 BF16/AMX);
-fbgemm fp16 and dynamic int8 (what --quantization fp16/int8 run); torch's weight-only
-`_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (group 32). Prints ms per call at
-1 and 32 tokens and the CPU it ran on.
+fbgemm fp16 and dynamic int8 (what --quantization fp16/int8 run); our Q8_0 kernel (q8);
+torch's weight-only `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (group 32).
+Prints ms per call (best of --rounds, candidates interleaved so that a busy machine slows
+them alike) with the ratio to float32 and to fbgemm fp16, and the CPU it ran on.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def candidates(w: torch.Tensor) -> dict:
         "bf16": lambda x: torch.nn.functional.linear(x.bfloat16(), wb),
         "fbgemm fp16": quantized(w, "fp16"),
         "fbgemm int8": quantized(w, "int8"),
+        "q8": quantized(w, "q8"),
         "int8pack_mm": lambda x: torch.ops.aten._weight_int8pack_mm(x, w8, scale),
         "int4pack_mm": int4_linear(w),
     }
@@ -59,19 +61,33 @@ def candidates(w: torch.Tensor) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", default="1,32")
+    ap.add_argument("--only", default="", help="comma-separated candidates (default: all)")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--threads", type=int, default=0, help="torch/OpenMP threads (0: as is)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
+    only = set(filter(None, args.only.split(","))) | {"f32", "fbgemm fp16"}
     print(f"cpu: {summary()}")
-    print("| shape | tokens | " + " | ".join(candidates(torch.zeros(64, 64)).keys()) + " |")
-    for name, (n, k) in SHAPES.items():
+    names = [c for c in candidates(torch.zeros(64, 64)) if not args.only or c in only]
+    print("| shape | tokens | " + " | ".join(names) + " |")
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
         w = torch.randn(n, k) * 0.05
-        fns = candidates(w)
-        for m in (1, 32):
+        fns = {c: f for c, f in candidates(w).items() if c in names}
+        for m in map(int, args.tokens.split(",")):
             x = torch.randn(m, k)
-            rep = max(2, args.repeat // (20 if name == "head" else 1))
-            times = {c: ms(lambda f=f, x=x: f(x), rep) for c, f in fns.items()}
-            cells = [f"{t:.3f} ({times['f32'] / t:.1f}x)" for t in times.values()]
+            rep = max(2, args.repeat // (20 if name == "head" else 1) // max(1, m // 32))
+            best = {c: float("inf") for c in fns}
+            for _ in range(args.rounds):  # interleaved rounds, best of each
+                for c, f in fns.items():
+                    best[c] = min(best[c], ms(lambda f=f, x=x: f(x), rep))
+            cells = [f"{t:.3f} ({best['f32'] / t:.1f}x, {best['fbgemm fp16'] / t:.2f}x fp16)"
+                     for t in best.values()]
             print(f"| {name} {n}x{k} | {m} | " + " | ".join(cells) + " |", flush=True)
 
 

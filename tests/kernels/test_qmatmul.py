@@ -8,10 +8,7 @@ from hypothesis import strategies as st
 from kvserve.models.quant import q8_blocks
 
 
-@settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**16), M=st.integers(1, 4), N=st.integers(1, 70),
-       blocks=st.integers(1, 24), strided=st.booleans())
-def test_q8_matmul_matches_dequantized_torch(kernels, seed, M, N, blocks, strided):
+def check_q8_matmul(kernels, seed: int, M: int, N: int, blocks: int, strided: bool) -> None:
     g = torch.Generator().manual_seed(seed)
     K = 32 * blocks
     w = torch.randn(N, K, generator=g) * torch.rand(N, 1, generator=g)
@@ -19,12 +16,27 @@ def test_q8_matmul_matches_dequantized_torch(kernels, seed, M, N, blocks, stride
     x = torch.randn(M, K + 8 * strided, generator=g)[:, :K]  # rows of a wider buffer
     wd = (q.float().view(N, blocks, 32) * d[..., None]).view(N, K)
     want = (x.double() @ wd.double().T).float()
-    # The AVX2 path rounds x to int16 blocks: each value by at most half a step of
+    # The SIMD paths round x to int16 blocks: each value by at most half a step of
     # its block's largest |x| / 32767; the rest is float32 summation.
     step = x.abs().view(M, blocks, 32).amax(-1) / 32767
     bound = (0.5 * step.repeat_interleave(32, dim=1)) @ wd.abs().T
-    err = (kernels.q8_matmul(x, q, d) - want).abs()
-    assert (err <= bound + 1e-5 * (x.abs() @ wd.abs().T) + 1e-6).all()
+    got = kernels.q8_matmul(x, *kernels.q8_pack(q, d))
+    assert got.shape == (M, N)
+    assert ((got - want).abs() <= bound + 1e-5 * (x.abs() @ wd.abs().T) + 1e-6).all()
+
+
+# Any M (tiles of 4 rows and their remainders), N not a multiple of the 2-column tile or of
+# the 64-column chunk, K a multiple of 32 but not of the 128 the weights are padded to.
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), M=st.integers(1, 13), N=st.integers(1, 150),
+       blocks=st.integers(1, 24), strided=st.booleans())
+def test_q8_matmul_matches_dequantized_torch(kernels, seed, M, N, blocks, strided):
+    check_q8_matmul(kernels, seed, M, N, blocks, strided)
+
+
+@pytest.mark.parametrize("M", [0, 1, 5, 32, 67])
+def test_q8_matmul_at_batch_and_prefill_sizes(kernels, M):
+    check_q8_matmul(kernels, M, M, 133, 20, strided=M % 2 == 1)
 
 
 def test_q8_blocks_round_trip_a_q8_0_tensor_exactly():
@@ -40,8 +52,10 @@ def test_q8_blocks_round_trip_a_q8_0_tensor_exactly():
 
 
 def test_q8_matmul_refuses_bad_shapes(kernels):
-    q, d = q8_blocks(torch.randn(4, 64))
+    q, d = kernels.q8_pack(*q8_blocks(torch.randn(4, 64)))
     with pytest.raises(ValueError, match="q8_matmul"):
-        kernels.q8_matmul(torch.randn(5, 64), q, d)  # more rows than it keeps in registers
+        kernels.q8_matmul(torch.randn(5, 160), q, d)  # packed for K = 64
     with pytest.raises(ValueError, match="q8_matmul"):
         kernels.q8_matmul(torch.randn(1, 64).bfloat16(), q, d)
+    with pytest.raises(ValueError, match="q8_pack"):
+        kernels.q8_pack(torch.zeros(4, 48, dtype=torch.int8), torch.zeros(4, 1))

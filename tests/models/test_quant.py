@@ -32,7 +32,7 @@ def test_packed_linears_against_float32(tokens: int) -> None:
     x[0] *= 50
     want = x @ w.T
     assert rel_err(quantized(w, "fp16")(x), want) < 1e-3
-    assert rel_err(quantized(w, "q8")(x), want) < (0.01 if tokens <= 4 else 1e-3)
+    assert rel_err(quantized(w, "q8")(x), want) < 0.01
     assert rel_err(quantized(w, "int8")(x), want) < 0.03
     # bf16 activations come back as bf16, computed from the same packed weight.
     out = quantized(w, "fp16")(x.bfloat16())
@@ -75,12 +75,10 @@ def test_real_model_quantized_predicts_like_float32(kv: KvModel) -> None:
         model = Gemma3ForCausalLM.from_state_dict(kv.config, dict(kv.state_dict))
         held = model.quantize(mode)
         assert model.model.layers[0].mlp.down_proj.weight.is_meta  # float copy dropped
-        assert held <= {"q8": 3.2, "fp16": 2, "int8": 1.1}[mode] * sum(
+        assert held <= {"q8": 1.13, "fp16": 2, "int8": 1.1}[mode] * sum(
             w.numel() for n, w in kv.state_dict.items() if n.endswith("proj.weight")
             or n == "model.embed_tokens.weight")
-        # q8 fed 4 tokens a step takes its Q8_0 decode path everywhere.
-        step = 4 if mode == "q8" else None
-        agreement[mode] = float((predictions(model, ids, step) == want).float().mean())
+        agreement[mode] = float((predictions(model, ids) == want).float().mean())
     # Measured 98.8% (q8), 99.98% (fp16) and 82.6% (int8) on ShareGPT text
     # (benchmarks/quant_quality.py); a wrong scale or layout agrees on almost nothing.
     assert agreement["fp16"] >= 0.98 and agreement["q8"] >= 0.97, agreement

@@ -69,6 +69,7 @@ _SIGNATURES = {
     "kvs_gelu_mul": (None, [_VP, _INT, _INT, _INT, _VP, _INT]),
     "kvs_argmax": (None, [_VP, _INT, _I64, _INT, _VP, _INT]),
     "kvs_q8_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT]),
+    "kvs_q8_pack": (None, [_VP, _VP, _I64, _INT, _VP, _VP, _INT]),
 }
 
 
@@ -170,20 +171,33 @@ class CpuKernels:
                               out.data_ptr(), torch.get_num_threads())
         return out
 
-    Q8_MAX_ROWS = 4  # qmatmul.c keeps this many rows' sums in registers
+    Q8_GROUP = 128  # qmatmul.c interleaves the weights in groups of 4 blocks
+
+    def q8_pack(self, q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q8_0 blocks (q int8 [N, K], d float32 [N, K / 32]) in q8_matmul's layout: K padded
+        with zero blocks to Kp, a multiple of 128, and each 4 blocks' values interleaved so
+        that one vector multiply-add sums a pair of every block (qmatmul.c, kvs_q8_pack)."""
+        N, K = q.shape
+        if K % 32 or d.shape != (N, K // 32):
+            raise ValueError("q8_pack: q int8 [N, K], d [N, K/32], K a multiple of 32")
+        Kp = -(-K // self.Q8_GROUP) * self.Q8_GROUP
+        qp = torch.empty((N, Kp), dtype=torch.int8)
+        dp = torch.empty((N, Kp // 32), dtype=torch.float32)
+        self.lib.kvs_q8_pack(_ptr(q, torch.int8), _ptr(d, torch.float32), N, K, qp.data_ptr(),
+                             dp.data_ptr(), torch.get_num_threads())
+        return qp, dp
 
     def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        """x [M <= 4, K] float32 (unit stride in K) @ W.T for W in Q8_0 blocks: q int8
-        [N, K], d float32 [N, K / 32] (W[n, 32b + i] = d[n, b] * q[n, 32b + i]) -> [M, N]."""
+        """x [M, K] float32 (unit stride in K, any M >= 0) @ W.T for W in Q8_0 blocks packed
+        by q8_pack (q int8 [N, Kp], d float32 [N, Kp / 32]) -> [M, N]."""
         M, K = x.shape
-        N = q.shape[0]
-        if (x.dtype != torch.float32 or x.stride(-1) != 1 or not 1 <= M <= self.Q8_MAX_ROWS
-                or K % 32 or q.shape != (N, K) or d.shape != (N, K // 32)):
-            raise ValueError("q8_matmul: x float32 [1..4, K], q int8 [N, K], d [N, K/32], "
-                             "K a multiple of 32")
+        N, Kp = q.shape
+        if (x.dtype != torch.float32 or x.stride(-1) != 1 or K % 32
+                or Kp != -(-K // self.Q8_GROUP) * self.Q8_GROUP or d.shape != (N, Kp // 32)):
+            raise ValueError("q8_matmul: x float32 [M, K], K a multiple of 32, and q, d "
+                             "from q8_pack for that K")
         y = torch.empty((M, N), dtype=torch.float32)
-        rc = self.lib.kvs_q8_matmul(_ptr(q, torch.int8, N * K),
-                                    _ptr(d, torch.float32, N * K // 32), x.data_ptr(),
+        rc = self.lib.kvs_q8_matmul(_ptr(q, torch.int8), _ptr(d, torch.float32), x.data_ptr(),
                                     x.stride(0), M, N, K, y.data_ptr(), torch.get_num_threads())
         if rc:
             raise MemoryError("q8_matmul: no scratch memory")

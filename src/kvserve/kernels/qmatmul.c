@@ -1,121 +1,243 @@
-/* x @ W.T for a few rows of x, with W in Q8_0 blocks (CPU): the decode-time matmul.
+/* x @ W.T with W in Q8_0 blocks (CPU): every step size, decode to 2048-token prefill.
  *
- * At one to four tokens a linear layer is bound by reading its weight, so the fewer bytes
- * per weight the faster: Q8_0 (32 int8 values sharing one float scale, 1.125 bytes a
- * weight) reads half of fp16's bytes and a quarter of float32's. No library kernel here
- * reads int8 weights against float activations fast on AVX2 (fbgemm's int8 also quantizes
- * the activations, which costs quality; torch's weight-only int8 op has no AVX2 kernel).
+ * Q8_0 (32 int8 values sharing one float scale, 1.125 bytes a weight) reads half of fp16's
+ * bytes and a quarter of float32's, which is what a decode step of a few tokens is bound
+ * by. No library kernel here reads int8 weights against float activations fast on AVX2
+ * (fbgemm's int8 also quantizes the activations per tensor, which costs quality; torch's
+ * weight-only int8 op has no AVX2 kernel).
  *
- * On AVX2 the activations are rounded to int16 blocks of 32 with a float scale each (an
- * error of at most 2^-16 of a block's largest value, against Q8_0's 2^-8 on the weights);
- * each block's products are summed exactly in int32 and the blocks in float32. (llama.cpp
- * rounds the activations to int8 here.) Each row of W is one OpenMP item; the weights of a
- * block are widened once and used for every row of x. The AVX2+FMA path is chosen at
- * compile time (-march=native); other CPUs take the plain float32 loop, which the compiler
- * vectorises as far as it can.
+ * The activations are rounded to int16 blocks of 32 with a float scale each, once a call
+ * (an error of at most 2^-16 of a block's largest value, against Q8_0's 2^-8 on the
+ * weights; llama.cpp rounds them to int8). A block's 32 products are summed exactly in
+ * int32 by vpmaddwd (16 int16 multiply-adds an AVX2 instruction, 32 with AVX-512; float32
+ * FMA does 8 or 16) and the blocks in float32. The micro-kernel takes one output column
+ * against a tile of 4 activation rows: the column's weight block is widened to int16 once
+ * for the 4 rows, and the 4 rows' block sums are folded into one vector by a shuffle-add
+ * tree, so converting and scaling them costs one instruction each for the 4 rows instead
+ * of one per row. OpenMP splits the output columns into chunks; within a chunk every row
+ * tile runs over the chunk's columns, so a chunk's weights stay in L2 and a row tile's
+ * activations in L1.
+ *
+ * Paths, chosen by the compiler's feature macros (cpu.py builds with -march=native per CPU
+ * feature set): AVX-512BW, AVX2+FMA, and a plain float32 loop for every other CPU.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+#define ROWS 4      /* activation rows per micro-kernel call */
+#define COLS 2      /* output columns per micro-kernel call */
+#define GROUP 128   /* weights per interleaved group: 4 blocks */
+#define CHUNK 64    /* output columns per OpenMP work item */
+#define AHEAD 4     /* columns ahead whose weights are prefetched */
+
+/* Position of element j of block k (k < 4) within its group (see kvs_q8_pack): 16-value
+ * steps i, each holding pair i of every (half, block) lane side by side. */
+static inline int group_pos(int k, int j) {
+    const int half = j / 16, i = (j % 16) / 2;
+    return 16 * i + 2 * (4 * half + k) + j % 2;
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#define INLINE static inline __attribute__((always_inline))
 
-#define INT16_PATH 1
-
-static inline float hsum8(__m256 v) {
+#if defined(__AVX512BW__)
+/* 16 int32 lanes: two 16-value steps at once (lanes 8-15 repeat 0-7's (half, block)). */
+typedef __m512i ivec;
+typedef __m512 fvec;
+#define STEP 32
+#define LOAD_W(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
+#define LOAD_X(p) _mm512_loadu_si512(p)
+#define MADD _mm512_madd_epi16
+#define IADD _mm512_add_epi32
+#define IZERO _mm512_setzero_si512
+#define FZERO _mm512_setzero_ps
+#define TO_F _mm512_cvtepi32_ps
+#define FMUL _mm512_mul_ps
+#define FMA _mm512_fmadd_ps
+#define BCAST4(p) _mm512_broadcast_f32x4(_mm_loadu_ps(p))
+#define HSUM _mm512_reduce_add_ps
+#else
+/* 8 int32 lanes: one 16-value step. */
+typedef __m256i ivec;
+typedef __m256 fvec;
+#define STEP 16
+#define LOAD_W(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
+#define LOAD_X(p) _mm256_loadu_si256((const __m256i *)(p))
+#define MADD _mm256_madd_epi16
+#define IADD _mm256_add_epi32
+#define IZERO _mm256_setzero_si256
+#define FZERO _mm256_setzero_ps
+#define TO_F _mm256_cvtepi32_ps
+#define FMUL _mm256_mul_ps
+#define FMA _mm256_fmadd_ps
+#define BCAST4(p) _mm256_broadcast_ps((const __m128 *)(p))
+static inline float HSUM(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* One row of W (nb blocks) against M <= 4 rows of x given as int16 blocks: xq[m] holds
- * row m's K values, xd[m][b] the scale of its block b. Widening the weights to int16
- * and multiplying with madd (pairs summed into int32, exact: |w x| < 2^22) takes about
- * half the instructions of widening them to float32, and a step of a few tokens is
- * bound by these instructions, not by memory. */
-static void row_dot(const int8_t *q, const float *d, const int16_t *const *xq,
-                    const float *const *xd, int M, int nb, float *out) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                     _mm256_setzero_ps()};
-    for (int b = 0; b < nb; b++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
-        const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
-        for (int m = 0; m < M; m++) {
-            const __m256i *xm = (const __m256i *)(xq[m] + 32 * b);
-            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xm)),
-                                               _mm256_madd_epi16(w1, _mm256_loadu_si256(xm + 1)));
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[b] * xd[m][b]),
-                                     acc[m]);
-        }
-    }
-    for (int m = 0; m < M; m++) out[m] = hsum8(acc[m]);
-}
-
-/* Row x (K values) to int16 blocks of 32 with one scale each: x = xd[b] * xq[32 b + i],
- * rounded to nearest; the error is at most 2^-16 of the block's largest |x|. */
-static void quantize_x16(const float *x, int nb, int16_t *xq, float *xd) {
-    for (int b = 0; b < nb; b++) {
-        const float *xb = x + 32 * b;
-        float amax = 0.f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        const float scale = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
-        xd[b] = scale;
-        for (int i = 0; i < 32; i++) xq[32 * b + i] = (int16_t)lrintf(xb[i] * inv);
-    }
-}
-#else
-static void row_dot(const int8_t *q, const float *d, const float *x, int64_t ldx, int M,
-                    int nb, float *out) {
-    for (int m = 0; m < M; m++) {
-        float acc = 0.f;
-        for (int b = 0; b < nb; b++) {
-            const float *xm = x + m * ldx + 32 * b;
-            float s = 0.f;
-            for (int i = 0; i < 32; i++) s += (float)q[32 * b + i] * xm[i];
-            acc += d[b] * s;
-        }
-        out[m] = acc;
-    }
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #endif
 
-/* y[m][n] = sum_b d[n][b] * sum_i q[n][32b + i] * x[m][32b + i] for m < M, M <= 4.
- * q: int8 [N][K], d: float [N][K/32], x: float rows of K (row stride ldx), y: [M][N].
- * On AVX2 the rows of x are first rounded to int16 blocks (see quantize_x16).
- * Returns 1 if K is not a multiple of 32 or M is out of range, 2 if scratch memory could
- * not be had, else 0. */
+/* y[r][c] for R rows of x (int16, interleaved like the weights; scales xd, row stride
+ * Kp / 32) against C columns of q (d: their scales), R <= ROWS, C <= COLS compile-time
+ * constants so the loops unroll into registers. Within a group every lane sums exactly in
+ * int32 (16 products of |w x| < 2^22); the lanes' 4 blocks are scaled in float32 at the
+ * end of the group. */
+INLINE void tile(const int R, const int C, const int8_t *q, const float *d, const int16_t *x,
+                 const float *xd, int Kp, int64_t N, float *y) {
+    const int nb = Kp / 32;
+    fvec acc[ROWS][COLS];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = FZERO();
+    for (int g = 0; g < Kp; g += GROUP) {
+        /* Weights streamed from memory (the LM head at decode) wait on their loads
+         * otherwise: two columns read side by side defeat the hardware prefetcher. */
+        for (int c = 0; c < C; c++) {
+            __builtin_prefetch(q + (int64_t)(AHEAD + c) * Kp + g);
+            __builtin_prefetch(q + (int64_t)(AHEAD + c) * Kp + g + 64);
+        }
+        ivec sum[ROWS][COLS];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) sum[r][c] = IZERO();
+        for (int i = 0; i < GROUP; i += STEP) {
+            ivec w[COLS];
+            for (int c = 0; c < C; c++) w[c] = LOAD_W(q + (int64_t)c * Kp + g + i);
+            for (int r = 0; r < R; r++) {
+                const ivec xv = LOAD_X(x + (int64_t)r * Kp + g + i);
+                for (int c = 0; c < C; c++) sum[r][c] = IADD(sum[r][c], MADD(w[c], xv));
+            }
+        }
+        for (int c = 0; c < C; c++) {
+            const fvec dc = BCAST4(d + (int64_t)c * nb + g / 32);
+            for (int r = 0; r < R; r++)
+                acc[r][c] = FMA(TO_F(sum[r][c]), FMUL(dc, BCAST4(xd + (int64_t)r * nb + g / 32)),
+                                acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) y[r * N + c] = HSUM(acc[r][c]);
+}
+
+/* One instance per (rows, columns) shape: tile()'s loops unroll only for constants. */
+#define TILE_CASE(R, C) case (R - 1) * COLS + C - 1: tile(R, C, q, d, x, xd, Kp, N, y); break;
+static void tile_any(int R, int C, const int8_t *q, const float *d, const int16_t *x,
+                     const float *xd, int Kp, int64_t N, float *y) {
+    switch ((R - 1) * COLS + C - 1) {
+        TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(2, 1) TILE_CASE(2, 2)
+        TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(4, 1) TILE_CASE(4, 2)
+    }
+}
+
+/* Row x (K values) to int16 blocks of 32 with one scale each, x = xd[b] * xq[...], rounded
+ * to nearest (the error is at most 2^-16 of the block's largest |x|), stored interleaved as
+ * the weights are; blocks past K (up to Kp) are zero. The rounding loops vectorise (rintf
+ * is one instruction; lrintf and fmaxf stay library calls under -fmath-errno); the
+ * interleave then moves pairs of values as 32-bit words. */
+static void quantize_x16(const float *x, int K, int Kp, int16_t *xq, float *xd) {
+    for (int g = 0; g < Kp; g += GROUP) {
+        int16_t plain[GROUP];
+        for (int k = 0; k < 4; k++) {
+            const int b = g / 32 + k;
+            const float *xb = x + 32 * b;
+            int16_t *v = plain + 32 * k;
+            float amax = 0.f;
+            for (int j = 0; b * 32 < K && j < 32; j++)
+                amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+            xd[b] = amax / 32767.f;
+            if (amax > 0.f)
+                for (int j = 0; j < 32; j++) v[j] = (int16_t)rintf(xb[j] * inv);
+            else
+                for (int j = 0; j < 32; j++) v[j] = 0;
+        }
+        for (int k = 0; k < 4; k++)
+            for (int j = 0; j < 32; j += 2) memcpy(xq + g + group_pos(k, j), plain + 32 * k + j, 4);
+    }
+}
+
+static int q8_gemm(const int8_t *q, const float *d, const float *x, int64_t ldx, int M,
+                   int64_t N, int K, float *y, int threads) {
+    const int Kp = (K + GROUP - 1) / GROUP * GROUP, nb = Kp / 32;
+    int16_t *xq = malloc((size_t)M * Kp * sizeof(int16_t));
+    float *xd = malloc((size_t)M * nb * sizeof(float));
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return 2;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; m++)
+            quantize_x16(x + m * ldx, K, Kp, xq + (size_t)m * Kp, xd + (size_t)m * nb);
+        /* A chunk's weights stay in L2 while every row tile (in L1) passes over them. One
+         * row (decode) is bound by reading the weights: one column at a time streams them
+         * fastest (measured on the 262k-row LM head). */
+        const int cols = M == 1 ? 1 : COLS;
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += CHUNK) {
+            const int64_t n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
+            for (int m = 0; m < M; m += ROWS)
+                for (int64_t n = n0; n < n1; n += cols)
+                    tile_any(M - m < ROWS ? M - m : ROWS, n1 - n < cols ? n1 - n : cols,
+                             q + n * Kp, d + n * nb, xq + (size_t)m * Kp, xd + (size_t)m * nb,
+                             Kp, N, y + (size_t)m * N + n);
+        }
+    }
+    free(xq);
+    free(xd);
+    return 0;
+}
+#else
+/* The plain path: float32 products of the int8 weights and the float32 activations. */
+static int q8_gemm(const int8_t *q, const float *d, const float *x, int64_t ldx, int M,
+                   int64_t N, int K, float *y, int threads) {
+    const int Kp = (K + GROUP - 1) / GROUP * GROUP, nb = Kp / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (int b = 0; b < K / 32; b++) {
+                const int8_t *group = q + n * Kp + (b / 4) * GROUP;
+                const float *xb = x + m * ldx + 32 * b;
+                float s = 0.f;
+                for (int j = 0; j < 32; j++) s += (float)group[group_pos(b % 4, j)] * xb[j];
+                acc += d[n * nb + b] * s;
+            }
+            y[m * N + n] = acc;
+        }
+    }
+    return 0;
+}
+#endif
+
+/* y[m][n] = sum_b d[n][b] * sum_j W[n][32b + j] * x[m][32b + j] for m < M, with W's int8
+ * values q and scales d as kvs_q8_pack lays them out (Kp = K rounded up to 128);
+ * x: float rows of K (row stride ldx), y: [M][N]. Returns 1 if K is not a multiple of 32
+ * or M < 0, 2 if scratch memory could not be had, else 0. */
 int kvs_q8_matmul(const int8_t *q, const float *d, const float *x, int64_t ldx, int M,
                   int64_t N, int K, float *y, int threads) {
-    if (K % 32 || M < 1 || M > 4) return 1;
-    const int nb = K / 32;
-#ifdef INT16_PATH
-    int16_t *xq[4];
-    float *xd[4];
-    char *mem = malloc((size_t)M * ((size_t)K * sizeof(int16_t) + (size_t)nb * sizeof(float)));
-    if (!mem) return 2;
-    for (int m = 0; m < M; m++) {
-        xq[m] = (int16_t *)mem + (size_t)m * K;
-        xd[m] = (float *)((int16_t *)mem + (size_t)M * K) + (size_t)m * nb;
-        quantize_x16(x + m * ldx, nb, xq[m], xd[m]);
-    }
+    if (K % 32 || M < 0) return 1;
+    if (M == 0 || N == 0) return 0;
+    return q8_gemm(q, d, x, ldx, M, N, K, y, threads);
+}
+
+/* Q8_0 blocks (q int8 [N][K], d float [N][K/32], K a multiple of 32) in the layout
+ * kvs_q8_matmul reads: rows padded with zero blocks to Kp = K rounded up to 128 (qp
+ * [N][Kp], dp [N][Kp/32]), each group of 4 blocks interleaved by group_pos. */
+void kvs_q8_pack(const int8_t *q, const float *d, int64_t N, int K, int8_t *qp, float *dp,
+                 int threads) {
+    const int Kp = (K + GROUP - 1) / GROUP * GROUP, nb = K / 32;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        float out[4];
-        row_dot(q + n * K, d + n * nb, (const int16_t *const *)xq, (const float *const *)xd, M,
-                nb, out);
-        for (int m = 0; m < M; m++) y[m * N + n] = out[m];
+        for (int b = 0; b < Kp / 32; b++) {
+            int8_t *group = qp + n * Kp + (b / 4) * GROUP;
+            for (int j = 0; j < 32; j++)
+                group[group_pos(b % 4, j)] = b < nb ? q[n * K + 32 * b + j] : 0;
+            dp[n * (Kp / 32) + b] = b < nb ? d[n * nb + b] : 0.f;
+        }
     }
-    free(mem);
-#else
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float out[4];
-        row_dot(q + n * K, d + n * nb, x, ldx, M, nb, out);
-        for (int m = 0; m < M; m++) y[m * N + n] = out[m];
-    }
-#endif
-    return 0;
 }

@@ -1,4 +1,4 @@
-"""Packed weights for CPU serving: q8 (Q8_0 decode kernel + fp16), fp16, int8.
+"""Packed weights for CPU serving: q8 (our Q8_0 kernel), fp16, int8.
 
 A GGUF ships its linear weights quantized (Gemma 3 270M Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0);
 running them as float32 reads 2-8x more bytes per token than llama.cpp does, and a decode
@@ -11,11 +11,11 @@ weight-only int8/int4 ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
 
 What is exact and what is not. fbgemm takes its own layouts, so its copies are
 re-quantized from the GGUF's dequantized values.
-- q8 (the default on float32 CPUs): at up to 4 tokens a step (decode), llama.cpp's Q8_0
-  blocks (int8, one scale per 32 weights; the file's own Q8_0 tensors, such as Gemma 3's
-  tied embedding, come back exactly) read by kernels/qmatmul.c with float32 activations;
-  larger steps take the fp16 copy below. Half of fp16's bytes at decode; top-1
-  agreement with the float32 model 98.80%, perplexity 8.051 -> 8.056.
+- q8 (the default on float32 CPUs): llama.cpp's Q8_0 blocks (int8, one scale per 32
+  weights; the file's own Q8_0 tensors, such as Gemma 3's tied embedding, come back
+  exactly) read by kernels/qmatmul.c at every step size, activations rounded to int16
+  blocks. 1.125 bytes a weight, one copy; top-1 agreement with the float32 model 98.8%,
+  perplexity 8.051 -> 8.056 (measured when q8 still ran batches through fp16).
 - fp16: every weight rounded to float16 (11 significant bits, far finer than the 4-8 bits
   the file ships); activations and sums in float32. Top-1 agreement with the float32 model
   99.98%, same perplexity (ShareGPT text, 6144 tokens).
@@ -37,7 +37,6 @@ from kvserve.cpu_features import bf16_native, cpu_flags
 from kvserve.kernels.cpu import cpu_kernels
 
 QUANTIZATIONS = ("auto", "none", "q8", "fp16", "int8")
-SMALL_BATCH = 4  # rows up to which q8 reads Q8_0 blocks (kernels/qmatmul.c)
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 
 
@@ -52,8 +51,8 @@ def resolve_quantization(mode: str, device: torch.device, source_types: list[str
     up front.
 
     "auto" keeps roughly what the file ships at no cost in quality: for a quantized GGUF on
-    a CPU that computes in float32 (no native bf16), q8 (Q8_0 blocks read by our kernel at
-    decode, fbgemm fp16 for batches) where the C kernels build, else fp16; none for float
+    a CPU that computes in float32 (no native bf16), q8 (Q8_0 blocks read by our kernel)
+    where the C kernels build, else fp16; none for float
     checkpoints, on GPUs and where bf16 runs natively (bf16 weights are as small, and
     computed by oneDNN). int8 is faster at large batches but loses quality (82.6% top-1
     agreement on Gemma 3 270M): only on request.
@@ -70,6 +69,8 @@ def resolve_quantization(mode: str, device: torch.device, source_types: list[str
     if mode != "none" and not fbgemm_available():
         raise ValueError(f"quantization {mode} needs fbgemm and a CPU with AVX2; "
                          "this CPU or torch build has neither")
+    if mode == "q8" and cpu_kernels() is None:
+        raise ValueError("quantization q8 needs kvserve's C kernels, which did not build here")
     return mode
 
 
@@ -102,26 +103,27 @@ def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Q8Linear:
-    """Q8_0 weights for decode, fp16 for batches: at up to 4 tokens a linear is bound by
-    reading its weight, and kernels/qmatmul.c reads 1.125 bytes a weight (fp16: 2) with
-    float32 activations; above that fbgemm's fp16 GEMM is the faster one. Holds both
-    copies (3.1 bytes a weight): results at <= 4 rows round the weights to Q8_0, above to
-    fp16, so a sequence's logits differ slightly with the batch it runs in."""
+    """x @ weight.T with the weight in Q8_0 blocks (1.125 bytes a weight as kernels/qmatmul.c
+    lays them out), read by our kernel at every step size: decode, where reading the weight
+    is the cost and Q8_0 reads half of fp16's bytes, and batches, where its int16
+    multiply-adds run about as fast as fbgemm's fp16 GEMM (benchmarks/cpu_linears.py). One
+    copy of each weight, and no fp16 packing at start."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.q, self.d = q8_blocks(weight)
-        self.batch = Fp16Linear(weight)
+        kernels = cpu_kernels()
+        if kernels is None:
+            raise RuntimeError("q8 needs kvserve's C kernels, which did not build here")
+        self.kernels = kernels
+        self.q, self.d = kernels.q8_pack(*q8_blocks(weight))
         self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        k = cpu_kernels()
-        if x.dim() == 2 and 0 < x.shape[0] <= SMALL_BATCH and k is not None:
-            y = k.q8_matmul(x.float().contiguous(), self.q, self.d)
-            return y if x.dtype == torch.float32 else y.to(x.dtype)
-        return self.batch(x)
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        y = self.kernels.q8_matmul(rows, self.q, self.d).view(*x.shape[:-1], self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def nbytes(self) -> int:
-        return self.q.numel() + self.d.numel() * 4 + self.batch.nbytes()
+        return self.q.numel() + self.d.numel() * 4
 
 
 class Int8Linear:
