@@ -275,6 +275,28 @@ def test_a_running_request_takes_held_pages_back_when_memory_runs_out():
     check_invariants(mgr2)
 
 
+def test_held_pages_go_least_valuable_first_and_only_as_many_as_needed():
+    # Two running requests hold the windows their prompt ends need; memory runs
+    # short by a few pages. The short prompt's window saves less prefill per byte
+    # than the long one's: it goes, and a question on the long prompt still hits.
+    mgr = make(160)
+    short = [3000 + i for i in range(12 * T)]
+    _running(mgr, "long", PROMPT)
+    _running(mgr, "short", short)
+    held = {rid: len(mgr.reqs[rid].held.get(1, [])) for rid in ("long", "short")}
+    assert held["long"] >= 4 and held["short"] >= 4
+    assert _admit(mgr, "fill", _spare(mgr))
+    mgr.begin_step()
+    mgr.reqs["fill"].tokens.extend([1] * 2 * T)  # 4 pages more: fewer than one request holds
+    assert mgr.allocate_slots("fill", len(mgr.reqs["fill"].tokens))
+    assert mgr.reqs["short"].held.get(1, []) == []
+    assert len(mgr.reqs["long"].held[1]) == held["long"]
+    check_invariants(mgr)
+    mgr.add_request("q", PROMPT[:84] + [7] * 8)
+    assert mgr.lookup("q") == 84
+    check_invariants(mgr)
+
+
 def _looked_up(mgr: KVCacheManager, rid, tokens: list[int], loop: bool = False, gap: int = 0):
     """A request after its lookup, made a loop member with `gap` as reuse_key would."""
     mgr.add_request(rid, tokens)

@@ -365,13 +365,9 @@ class KVCacheManager:
             # new one waits for it, so admissions never split a running prefix.
             if r.num_alloc == r.num_hit:
                 return False
-            dropped = self._drop_held()
-            if dropped and self.allocate_slots(req_id, num_new_tokens):
-                return True
-            for other, s, pids in dropped:  # still short: nothing changes after all
-                self.alloc.claim(s, pids)
-                other.held[s] = pids
-            return False
+            pages = self._allocate_dropping_held(r, needs)
+            if pages is None:
+                return False
         for m, pids in zip(self.managers, pages):
             m.install(r, pids, upto)
         if r.num_alloc == r.num_hit:
@@ -482,15 +478,38 @@ class KVCacheManager:
         supply = self.alloc.supply_below(0)  # keys below every step: dead and loop pages
         return all(n <= have for n, have in zip(need, supply))
 
-    def _drop_held(self) -> list[tuple[RequestKV, int, list[int]]]:
-        """Every request lets go of its held pages (they stay cached); what was let go."""
+    def _allocate_dropping_held(
+        self, r: RequestKV, needs: list[tuple[int, int]]
+    ) -> list[list[int]] | None:
+        """r's pages, taken after other requests let go of their held pages (they
+        stay cached), least valuable first, until r's allocation fits; None, and
+        nothing changes, if it never does.
+
+        One request at a time, not all at once: letting every held window go at
+        the first shortage made each question arriving while its article's
+        previous question decoded miss (Gemma 3 12B, 32 articles round-robin,
+        4/s, 8192-token steps: 19.0%, below uniform's 32.5%; one at a time by
+        value: 43.4%). The value of a request's held pages is the prefill a hit
+        at its reuse points saves per byte they hold (Marconi's compute saved
+        per byte): its prompt's tokens over the bytes.
+        """
+        pb = self.layout.page_bytes
+        held = [o for o in self.reqs.values() if o.held]
+        held.sort(key=lambda o: o.prompt_len / sum(len(v) * pb[s] for s, v in o.held.items()))
         dropped = []
-        for r in self.reqs.values():
+        for o in held:
             for m in self.managers:
-                if m.s in r.held:
-                    dropped.append((r, m.s, r.held[m.s]))
-                    m.drop_held(r, self._key(r))
-        return dropped
+                if m.s in o.held:
+                    dropped.append((o, m.s, o.held[m.s]))
+                    m.drop_held(o, self._key(o))
+            try:
+                return self.alloc.allocate(r.req_id, needs)
+            except OutOfPages:
+                pass
+        for other, s, pids in dropped:  # still short: nothing changes after all
+            self.alloc.claim(s, pids)
+            other.held[s] = pids
+        return None
 
     def _key(self, r: RequestKV) -> int:
         """Eviction key of the pages r releases now: the step, unless it is in a loop."""
