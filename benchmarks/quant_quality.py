@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from kvserve.cpu_features import summary
+from kvserve.cpu_features import bf16_native, summary
 from kvserve.datasets.sharegpt import load_conversations
 from kvserve.models import Gemma3ForCausalLM, load_model_files
 from kvserve.models.attention_ref import sequence_logits
@@ -24,6 +24,9 @@ VARIANTS = {
     "none (float32)": dict(quantization="none"),
     # Q8_0 blocks through kernels/qmatmul.c at every step size (whole texts at once here).
     "q8 (Q8_0, all linears + head)": dict(quantization="q8"),
+    # CPUs with native bf16 only: Q8_0 for steps of <= 16 rows, bf16 GEMM above (so here,
+    # whole texts at once, the bf16 copy: weights and activations rounded to bf16).
+    "q8+bf16 (bf16 GEMM)": dict(quantization="q8+bf16"),
     "fp16 (all linears + head)": dict(quantization="fp16"),
     "int8 (all linears + head)": dict(quantization="int8"),
 }
@@ -50,6 +53,8 @@ def main() -> None:
     docs = [tok(t).input_ids[: args.tokens] for t in texts(args.texts)]
     models = {}
     for name, kw in VARIANTS.items():
+        if kw["quantization"] == "q8+bf16" and not bf16_native():
+            continue
         m = Gemma3ForCausalLM.from_state_dict(config, dict(state_dict))
         m.quantize(kw["quantization"])
         models[name] = m, kw.get("step")

@@ -47,12 +47,41 @@ def test_a_step_that_samples_nothing_runs_the_head_on_zero_rows(kind: str) -> No
 
 
 def test_auto_keeps_what_the_file_ships_without_losing_quality() -> None:
-    expect = "none" if bf16_native() else "q8" if cpu_kernels() is not None else "fp16"
-    assert resolve_quantization("auto", CPU, GGUF_TYPES) == expect
+    kernels = cpu_kernels() is not None
+    assert resolve_quantization("auto", CPU, GGUF_TYPES) == ("q8" if kernels else "fp16")
+    bf16 = "q8+bf16" if kernels else "none"
+    expect = bf16 if bf16_native() else "q8" if kernels else "fp16"
+    assert resolve_quantization("auto", CPU, GGUF_TYPES, torch.bfloat16) == expect
     assert resolve_quantization("auto", CPU, ["F32"]) == "none"
     assert resolve_quantization("auto", CPU, []) == "none"
     assert resolve_quantization("auto", torch.device("cuda"), GGUF_TYPES) == "none"
     assert resolve_quantization("int8", CPU, []) == "int8"
+
+
+@pytest.mark.skipif(not bf16_native() or cpu_kernels() is None,
+                    reason="q8+bf16 needs native bf16 (AVX-512 BF16 or AMX) and the C kernels")
+def test_q8_bf16_reads_q8_for_a_few_rows_and_bf16_for_batches() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(300, 640) * 0.05
+    hybrid, q8 = quantized(w, "q8+bf16"), quantized(w, "q8")
+    for rows in (1, 16, 17, 64):
+        x = torch.randn(rows, 640, dtype=torch.bfloat16)
+        got = hybrid(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)
+        want_bf16 = torch.nn.functional.linear(x, w.bfloat16())
+        if rows <= hybrid.SMALL:  # the Q8_0 copy: exactly what q8 alone gives
+            assert torch.equal(got, q8(x))
+        else:  # oneDNN's bf16 GEMM on the bf16 copy
+            assert rel_err(got, want_bf16.float()) < 1e-2
+            assert not torch.equal(got, q8(x))
+    assert hybrid(torch.randn(0, 640)).shape == (0, 300)
+    assert hybrid.nbytes() == q8.nbytes() + 300 * 640 * 2
+
+
+@pytest.mark.skipif(bf16_native(), reason="this CPU computes bf16 natively")
+def test_q8_bf16_is_refused_where_bf16_is_emulated() -> None:
+    with pytest.raises(ValueError, match="computes bf16 natively"):
+        resolve_quantization("q8+bf16", CPU, GGUF_TYPES, torch.bfloat16)
 
 
 def test_bad_choices_are_refused_up_front() -> None:

@@ -182,7 +182,8 @@ class LLMEngine:
         device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         config, state_dict, tokenizer = open_model(cfg.model)
         dtype = resolve_dtype(cfg.dtype, device)
-        quantization = resolve_quantization(cfg.quantization, device, config.source_weight_types)
+        quantization = resolve_quantization(cfg.quantization, device,
+                                            config.source_weight_types, dtype)
         model = build_model(config, state_dict, device, dtype)
         model.quantize(quantization)
         return cls(model, tokenizer.result(), cfg)

@@ -16,9 +16,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 where the device computes it natively, else float32")
     p.add_argument("--quantization", default="auto",
-                   choices=["auto", "none", "q8", "fp16", "int8"],
-                   help="weights: auto keeps roughly what the file ships (q8 on a float32 "
-                        "CPU for a quantized GGUF), none serves them in --dtype")
+                   choices=["auto", "none", "q8", "q8+bf16", "fp16", "int8"],  # QUANTIZATIONS
+                   help="weights: auto keeps roughly what the file ships for a quantized "
+                        "GGUF on a CPU (q8; q8+bf16 where bf16 runs natively: Q8_0 for "
+                        "decode, bf16 for batches), none serves them in --dtype")
     p.add_argument("--kv-backend", default="paged", choices=["paged", "vtensor"],
                    help="where KV data lives: paged (one fixed pool, paged attention) or "
                         "vtensor (per-request contiguous virtual tensors, plain SDPA; CPU)")

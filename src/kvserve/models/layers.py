@@ -17,7 +17,7 @@ from torch import nn
 
 from kvserve.cpu_features import bf16_native
 from kvserve.kernels.cpu import kernels_for
-from kvserve.models.quant import QuantLinear
+from kvserve.models.quant import QuantLinear, pack_weight
 
 
 class Derived:
@@ -37,12 +37,6 @@ class Derived:
             self._value = self._make(*(w.detach() for w in weights))
             self._key = key
         return self._value
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A oneDNN-blocked copy of a bf16 CPU weight (as much memory as the weight). The
-    batch-size hint (32) only picks the blocking; any row count runs on it."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: Derived,
