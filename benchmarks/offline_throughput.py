@@ -58,12 +58,18 @@ def fixed(args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(0)
     top = min(200_000, engine.config.vocab_size)
     prompts = [torch.randint(10, top, (128,), generator=g).tolist() for _ in range(32)]
-    return {"workload": "32 prompts x 128 tokens, 128 greedy output tokens, EOS ignored",
-            "model": args.model or "gemma3-270m",
-            "dtype": str(engine.model.dtype), "quantization": engine.model.quantization,
-            "device": str(engine.model.device), "cpu": summary(),
-            "batch32": run_engine(engine, prompts, [128] * 32),
-            "single_stream": run_engine(engine, prompts[:1], [128])}
+    out = {"workload": "32 prompts x 128 tokens, 128 greedy output tokens, EOS ignored",
+           "model": args.model or "gemma3-270m",
+           "dtype": str(engine.model.dtype), "quantization": engine.model.quantization,
+           "device": str(engine.model.device), "cpu": summary(),
+           "batch32": run_engine(engine, prompts, [128] * 32),
+           "single_stream": run_engine(engine, prompts[:1], [128])}
+    if args.hf:  # transformers' generate on the same GGUF and prompts, in the engine's dtype
+        dtype = engine.model.dtype
+        del engine
+        out["transformers"] = {"batch32": hf_generate(prompts, [128] * 32, dtype, 32),
+                               "single_stream": hf_generate(prompts[:1], [128], dtype, 1)}
+    return out
 
 
 def sharegpt_workload(tokenizer, n: int, max_input: int, max_output: int):
@@ -178,6 +184,7 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf", action="store_true", help="fixed: transformers too")
     ap.add_argument("--kv-mib", type=int, default=512)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
