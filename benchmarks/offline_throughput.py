@@ -172,10 +172,68 @@ def capacity(args: argparse.Namespace) -> dict:
     return result
 
 
+def _timed(totals: dict[str, float], name: str, fn):
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            totals[name] += time.perf_counter() - t
+    return wrapper
+
+
+def breakdown(args: argparse.Namespace) -> dict:
+    """Where a decode step's time goes at batch 1 and 32 (the fixed workload's prompts):
+    the LM head, the layers' projections, attention, sampling, and the rest (norms,
+    activations, embedding, scheduler and Python), in ms a step over 64 decode steps."""
+    from kvserve.engine.sampler import Sampler
+    from kvserve.models.base import CausalLM
+    from kvserve.models.layers import Linear
+    from kvserve.models.paged_attention import PagedAttention
+
+    engine = load(args, 1 << 30)
+    warm(engine)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 200_000, (128,), generator=g).tolist() for _ in range(32)]
+    totals: dict[str, float] = dict.fromkeys(["head", "projections", "attention", "sampling"],
+                                             0.0)
+    patches = [(CausalLM, "compute_logits", "head"), (Linear, "forward", "projections"),
+               (PagedAttention, "__call__", "attention"), (Sampler, "sample", "sampling")]
+    originals = [(cls, name, getattr(cls, name)) for cls, name, _ in patches]
+    out = {"cpu": summary(), "dtype": str(engine.model.dtype),
+           "quantization": engine.model.quantization}
+    try:
+        for cls, name, key in patches:
+            setattr(cls, name, _timed(totals, key, getattr(cls, name)))
+        for batch in (1, 32):
+            for i, p in enumerate(prompts[:batch]):
+                engine.add_request(f"d{batch}-{i}", {"prompt_token_ids": p},
+                                   SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))
+            while any(r.num_computed < len(r.token_ids) - 1
+                      for r in [*engine.scheduler.waiting, *engine.scheduler.running]):
+                engine.step()  # prefill (and a first decode step)
+            for k in totals:
+                totals[k] = 0.0
+            steps, t0 = 64, time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            total = (time.perf_counter() - t0) / steps * 1e3
+            row = {k: round(v / steps * 1e3, 2) for k, v in totals.items()}
+            row["rest"] = round(total - sum(row.values()), 2)
+            row["step"] = round(total, 2)
+            out[f"batch{batch}"] = row
+            while engine.has_unfinished():
+                engine.step()
+    finally:
+        for cls, name, fn in originals:
+            setattr(cls, name, fn)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["fixed", "sharegpt", "step", "capacity"])
+    ap.add_argument("what", choices=["fixed", "sharegpt", "step", "capacity", "breakdown"])
     ap.add_argument("--model", default=None, help="as kvserve serve's --model")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
@@ -188,7 +246,8 @@ def main() -> None:
     ap.add_argument("--kv-mib", type=int, default=512)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    run = {"fixed": fixed, "sharegpt": sharegpt, "step": decode_step, "capacity": capacity}
+    run = {"fixed": fixed, "sharegpt": sharegpt, "step": decode_step, "capacity": capacity,
+           "breakdown": breakdown}
     result = run[args.what](args)
     print(json.dumps(result, indent=2))
 
