@@ -182,6 +182,38 @@ def _timed(totals: dict[str, float], name: str, fn):
     return wrapper
 
 
+def machine_limits() -> dict:
+    """What the step figures are held against: DRAM read bandwidth (a float32 sum over
+    1 GiB, all threads) and a GEMM rate (Gemma 3 270M's head shape, 128 rows, in the
+    dtype and path the engine takes for batches: oneDNN's packed bf16 where native, else
+    fbgemm fp16)."""
+    from kvserve.cpu_features import bf16_native
+    from kvserve.models.quant import pack_weight, quantized
+
+    def best(fn, n: int = 3) -> float:
+        fn()
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    x = torch.ones(1 << 28)
+    read = x.numel() * 4 / best(x.sum) / 1e9
+    del x
+    w, a = torch.randn(262144, 640) * 0.02, torch.randn(128, 640)
+    if bf16_native():
+        wb, ab = pack_weight(w.bfloat16()), a.bfloat16()
+        gemm = best(lambda: torch.ops.mkldnn._linear_pointwise(ab, wb, None, "none", [], ""))
+        how = "oneDNN bf16, packed"
+    else:
+        q = quantized(w, "fp16")
+        gemm, how = best(lambda: q(a)), "fbgemm fp16"
+    return {"read_gb_s": round(read, 1), "gemm_gflop_s": round(2 * w.numel() * 128 / gemm / 1e9),
+            "gemm": how}
+
+
 def breakdown(args: argparse.Namespace) -> dict:
     """Where a decode step's time goes at batch 1 and 32 (the fixed workload's prompts):
     the LM head, the layers' projections, attention, sampling, and the rest (norms,
@@ -201,7 +233,7 @@ def breakdown(args: argparse.Namespace) -> dict:
                (PagedAttention, "__call__", "attention"), (Sampler, "sample", "sampling")]
     originals = [(cls, name, getattr(cls, name)) for cls, name, _ in patches]
     out = {"cpu": summary(), "dtype": str(engine.model.dtype),
-           "quantization": engine.model.quantization}
+           "quantization": engine.model.quantization, "limits": machine_limits()}
     try:
         for cls, name, key in patches:
             setattr(cls, name, _timed(totals, key, getattr(cls, name)))
