@@ -59,3 +59,17 @@ def test_q8_matmul_refuses_bad_shapes(kernels):
         kernels.q8_matmul(torch.randn(1, 64).bfloat16(), q, d)
     with pytest.raises(ValueError, match="q8_pack"):
         kernels.q8_pack(torch.zeros(4, 48, dtype=torch.int8), torch.zeros(4, 1))
+
+
+@pytest.mark.parametrize("k", [32, 96, 640])
+def test_q8_quantize_packs_what_q8_blocks_rounds(kernels, k: int) -> None:
+    """The C rounding gives the torch reference's blocks bit for bit, zero blocks too."""
+    torch.manual_seed(k)
+    w = torch.randn(37, k) * 0.05
+    w[3, :32] = 0.0  # a block whose scale is 0
+    w[5, 7] = 3.0  # an outlier sets its block's scale
+    got = kernels.q8_quantize(w)
+    want = kernels.q8_pack(*q8_blocks(w))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="q8_quantize"):
+        kernels.q8_quantize(torch.zeros(4, 48))

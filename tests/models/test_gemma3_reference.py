@@ -256,3 +256,26 @@ def _run_schedule(
         for name, rows in zip(names, out.split([len(c) for c in chunks]), strict=True):
             logits[name].append(rows)
     return {name: torch.cat(parts) for name, parts in logits.items()}
+
+
+def test_the_fast_tokenizer_load_matches_transformers_own(kv: KvModel, gguf_path: Path) -> None:
+    """The tokenizer the loader builds from the cached tokenizer.json (the generic fast
+    class, for speed) gives the same ids and text as AutoTokenizer on the same files."""
+    from transformers import AutoTokenizer
+
+    entry = loader_mod.default_cache_dir() / f"{_sha256(gguf_path)}-v{loader_mod.CACHE_FORMAT}"
+    want = AutoTokenizer.from_pretrained(str(entry / "tokenizer"))
+    got = kv.tokenizer
+    texts = ["Hello there", "  spaces\n\nand\ttabs", "émoji 🤖 and 中文", "",
+             "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "<mask> <pad>x"]
+    for text in texts:
+        for special in (True, False):
+            ids = want(text, add_special_tokens=special).input_ids
+            assert got(text, add_special_tokens=special).input_ids == ids
+            for skip in (True, False):
+                assert got.decode(ids, skip_special_tokens=skip) == want.decode(
+                    ids, skip_special_tokens=skip)
+    assert got.all_special_ids == want.all_special_ids
+    assert (got.bos_token_id, got.eos_token_id, got.pad_token_id) == (
+        want.bos_token_id, want.eos_token_id, want.pad_token_id)
+    assert len(got) == len(want)

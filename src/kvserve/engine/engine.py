@@ -184,8 +184,13 @@ class LLMEngine:
         dtype = resolve_dtype(cfg.dtype, device)
         quantization = resolve_quantization(cfg.quantization, device,
                                             config.source_weight_types, dtype)
-        model = build_model(config, state_dict, device, dtype)
-        model.quantize(quantization)
+        if quantization == "none":
+            model = build_model(config, state_dict, device, dtype)
+        else:  # packed copies from the float32 weights (a GGUF's Q8_0 blocks come back
+            # exactly); then only what stays a parameter (embedding, norms) takes the dtype
+            model = build_model(config, state_dict, device, torch.float32)
+            model.quantize(quantization)
+            model.to(dtype)
         return cls(model, tokenizer.result(), cfg)
 
     def __init__(self, model: CausalLM, tokenizer, cfg: EngineConfig) -> None:

@@ -70,6 +70,7 @@ _SIGNATURES = {
     "kvs_argmax": (None, [_VP, _INT, _I64, _INT, _VP, _INT]),
     "kvs_q8_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT]),
     "kvs_q8_pack": (None, [_VP, _VP, _I64, _INT, _VP, _VP, _INT]),
+    "kvs_q8_quantize": (None, [_VP, _I64, _INT, _VP, _VP, _INT]),
 }
 
 
@@ -185,6 +186,19 @@ class CpuKernels:
         dp = torch.empty((N, Kp // 32), dtype=torch.float32)
         self.lib.kvs_q8_pack(_ptr(q, torch.int8), _ptr(d, torch.float32), N, K, qp.data_ptr(),
                              dp.data_ptr(), torch.get_num_threads())
+        return qp, dp
+
+    def q8_quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A float weight [N, K] rounded to Q8_0 blocks (as models/quant.py's q8_blocks
+        does) and laid out as q8_pack lays them, in one pass."""
+        N, K = w.shape
+        if K % 32:
+            raise ValueError("q8_quantize: w [N, K], K a multiple of 32")
+        Kp = -(-K // self.Q8_GROUP) * self.Q8_GROUP
+        qp = torch.empty((N, Kp), dtype=torch.int8)
+        dp = torch.empty((N, Kp // 32), dtype=torch.float32)
+        self.lib.kvs_q8_quantize(_ptr(w, torch.float32), N, K, qp.data_ptr(), dp.data_ptr(),
+                                 torch.get_num_threads())
         return qp, dp
 
     def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

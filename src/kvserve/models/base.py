@@ -10,7 +10,8 @@ plus a line in models/registry.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
@@ -239,7 +240,33 @@ class CausalLM(nn.Module):
     ) -> CausalLM:
         """Build on the meta device and adopt the given tensors (no random init, no copy
         twice)."""
-        with torch.device("meta"):
+        with torch.device("meta"), _no_init():
             model = cls(config)
         model.load_state_dict(model.adapt_state_dict(state_dict), strict=True, assign=True)
         return model.to(device=device, dtype=dtype).eval()
+
+
+_INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
+          "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_")
+
+
+@contextmanager
+def _no_init() -> Iterator[None]:
+    """Skip the modules' random initialisation while they are built on the meta device.
+
+    Every parameter is then replaced from the state dict (strict), so the values never
+    matter, but on meta tensors torch routes random init through torch._refs, whose first
+    call imports torch._dynamo: 2 s of a 10 s warm start. (transformers' no_init_weights
+    does the same.)"""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, _keep)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor

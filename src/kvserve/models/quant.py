@@ -131,7 +131,7 @@ class Q8Linear:
         if kernels is None:
             raise RuntimeError("q8 needs kvserve's C kernels, which did not build here")
         self.kernels = kernels
-        self.q, self.d = kernels.q8_pack(*q8_blocks(weight))
+        self.q, self.d = kernels.q8_quantize(weight.detach().float().contiguous())
         self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
