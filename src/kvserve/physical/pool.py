@@ -17,6 +17,7 @@ states) one after the other; a part's view is [num_pages, *part shape].
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -62,9 +63,7 @@ class KVPool:
     ) -> None:
         self.layout = layout
         self.device = torch.device(device)
-        self.buffer = torch.zeros(
-            num_large_pages * layout.large_page_bytes, dtype=torch.uint8, device=self.device
-        )
+        self.buffer = zeroed_bytes(num_large_pages * layout.large_page_bytes, self.device)
         self.views: dict[str, list[torch.Tensor]] = {}  # attention specs
         self.states: dict[str, list[tuple[torch.Tensor, ...]]] = {}  # state specs
         for s, spec in enumerate(layout.specs):
@@ -130,6 +129,17 @@ class KVPool:
     def layer(self, spec_name: str, index: int) -> torch.Tensor:
         """[num_pages, 2, T, kv_heads, head_dim] view of one layer of one spec."""
         return self.views[spec_name][index]
+
+
+def zeroed_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
+    """nbytes of zeros. On a CPU, fresh private anonymous pages, which the kernel zero-fills
+    on first touch: torch.zeros writes every byte up front, which for the default 2 GiB
+    pool took 1.6-5 s of a start on 2 cores and made all of it resident before any
+    request. Pages a request never reaches stay unallocated."""
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps `area` mapped
 
 
 def page_rows(buffer: torch.Tensor, layout: Layout, s: int) -> torch.Tensor:
