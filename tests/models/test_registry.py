@@ -68,3 +68,17 @@ def test_specs_group_layers_by_kind_and_shape():
     specs, bindings, _ = kv_specs(layers[:5], torch.float32, full_history=True)
     assert [(s.name, s.num_layers) for s in specs] == [("full", 5)]
     assert [b.window for b in bindings] == [8, 0, 32, 8, 0]
+
+
+def test_the_packaged_gguf_is_hashed_once_and_a_changed_file_again(tmp_path) -> None:
+    from kvserve.models import loader
+
+    path = registry.packaged_path("gemma3-270m")
+    digest = registry.verified_sha256(path)
+    assert digest == loader.file_sha256(path)  # what the package checked is the file
+    copy = tmp_path / "model.gguf"
+    copy.write_bytes(b"not the model")
+    assert registry.verified_sha256(copy) is None  # never checked: the loader hashes it
+    registry._VERIFIED[copy] = (registry._stamp(copy), "stale")
+    copy.write_bytes(b"edited since")
+    assert registry.verified_sha256(copy) is None  # changed since it was checked

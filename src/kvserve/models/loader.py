@@ -127,7 +127,8 @@ def _gguf_cache_entry(gguf_path: Path, cache_root: Path) -> Path:
     """The file's converted entry, converting it first if there is none yet."""
     # The format in the name: two kvserve versions sharing a cache each keep their own
     # entry instead of converting the file over each other's.
-    entry = cache_root / f"{file_sha256(gguf_path)}-v{CACHE_FORMAT}"
+    digest = registry.verified_sha256(gguf_path) or file_sha256(gguf_path)
+    entry = cache_root / f"{digest}-v{CACHE_FORMAT}"
     if not _cache_complete(entry):
         _convert_gguf_to_cache(gguf_path, entry)
     return entry
