@@ -30,7 +30,7 @@ from kvserve.memory.baselines import policy_layout
 from kvserve.memory.manager import LoadRule
 from kvserve.models.base import CausalLM
 from kvserve.models.dist_attention import RemoteKVLost
-from kvserve.models.loader import build_model, open_model
+from kvserve.models.loader import build_model, build_quantized, open_model
 from kvserve.models.quant import resolve_quantization
 from kvserve.models.virtual_attention import chunk_bytes_of, core_budget
 from kvserve.physical.host import HostPool, copy_bandwidth
@@ -180,18 +180,15 @@ class LLMEngine:
         """Load cfg.model (default Gemma 3 270M) and build the engine around it."""
         cfg = cfg or EngineConfig()
         device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        config, state_dict, tokenizer = open_model(cfg.model)
+        opened = open_model(cfg.model)
         dtype = resolve_dtype(cfg.dtype, device)
         quantization = resolve_quantization(cfg.quantization, device,
-                                            config.source_weight_types, dtype)
+                                            opened.config.source_weight_types, dtype)
         if quantization == "none":
-            model = build_model(config, state_dict, device, dtype)
-        else:  # packed copies from the float32 weights (a GGUF's Q8_0 blocks come back
-            # exactly); then only what stays a parameter (embedding, norms) takes the dtype
-            model = build_model(config, state_dict, device, torch.float32)
-            model.quantize(quantization)
-            model.to(dtype)
-        return cls(model, tokenizer.result(), cfg)
+            model = build_model(opened.config, opened.state_dict, device, dtype)
+        else:
+            model = build_quantized(opened, quantization, dtype)
+        return cls(model, opened.tokenizer.result(), cfg)
 
     def __init__(self, model: CausalLM, tokenizer, cfg: EngineConfig) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg

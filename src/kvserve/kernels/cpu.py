@@ -173,6 +173,10 @@ class CpuKernels:
         return out
 
     Q8_GROUP = 128  # qmatmul.c interleaves the weights in groups of 4 blocks
+    # The version of what q8_pack / q8_quantize write (the interleaving, the padding, the
+    # rounding): saved packed weights (models/packed.py) are kept under it, so bump it
+    # whenever any of those change or old files would be read as the new layout.
+    Q8_LAYOUT = 1
 
     def q8_pack(self, q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Q8_0 blocks (q int8 [N, K], d float32 [N, K / 32]) in q8_matmul's layout: K padded

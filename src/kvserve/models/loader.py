@@ -14,13 +14,14 @@ import re
 import shutil
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvserve.models import registry
+from kvserve.models import packed, registry
 from kvserve.models.base import CausalLM, ModelConfig
 from kvserve.models.checkpoint import eos_ids
 from kvserve.paths import default_cache_dir
@@ -49,16 +50,28 @@ def load_model_files(
     float32; an HF directory's tensors keep their stored dtype. State-dict names are
     HF's (what the family's `CausalLM.from_state_dict` takes).
     """
-    config, state_dict, tokenizer = open_model(path, cache_dir=cache_dir)
-    return config, state_dict, tokenizer.result()
+    opened = open_model(path, cache_dir=cache_dir)
+    return opened.config, opened.state_dict, opened.tokenizer.result()
+
+
+@dataclass
+class OpenedModel:
+    """What open_model gives: the weights, the tokenizer still loading, and the converted
+    cache entry (None for an HF directory) that quantized forms are saved in."""
+
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Future[PreTrainedTokenizerBase]
+    entry: Path | None = None
 
 
 def open_model(
     path: str | os.PathLike[str] | None = None, *, cache_dir: str | os.PathLike[str] | None = None
-) -> tuple[ModelConfig, dict[str, torch.Tensor], Future[PreTrainedTokenizerBase]]:
+) -> OpenedModel:
     """As load_model_files, with the tokenizer still loading in a thread: building a
-    262k-entry tokenizer takes seconds, which a caller can spend building the model."""
+    262k-entry tokenizer takes about a second, which a caller can spend building the model."""
     source = model_path(path)
+    entry = None
     if source.is_dir():
         config, state_dict = _load_hf_dir(source)
         tokenizer_dir = source
@@ -69,7 +82,7 @@ def open_model(
     pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
     tokenizer = pool.submit(_load_tokenizer, tokenizer_dir, config.family)
     pool.shutdown(wait=False)
-    return config, state_dict, tokenizer
+    return OpenedModel(config, state_dict, tokenizer, entry)
 
 
 def load_model(
@@ -90,6 +103,29 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor],
     """The config's family's model over the given weights."""
     model_cls = registry.by_name(config.family).load().Model
     return model_cls.from_state_dict(config, state_dict, device=device, dtype=dtype)
+
+
+def build_quantized(opened: OpenedModel, mode: str, dtype: torch.dtype) -> CausalLM:
+    """The model served with a quantization other than none, on the CPU.
+
+    From its packed form (models/packed.py) where the cache entry holds a valid one;
+    otherwise built in float32 (a GGUF's Q8_0 blocks come back exactly from float32),
+    quantized, then only what stays a parameter (embedding, norms) cast to the dtype,
+    and the result saved for the next start."""
+    config = opened.config
+    model_cls = registry.by_name(config.family).load().Model
+    path = None
+    if opened.entry is not None and mode in packed.MODES:
+        path = packed.packed_file(opened.entry, mode, dtype)
+        model = packed.load(model_cls, config, path, mode, dtype, opened.entry / _WEIGHTS_FILE)
+        if model is not None:
+            return model
+    model = build_model(config, opened.state_dict, "cpu", torch.float32)
+    model.quantize(mode)
+    model.to(dtype)
+    if path is not None:
+        packed.save(model, path, opened.entry / _WEIGHTS_FILE)
+    return model
 
 
 def model_path(path: str | os.PathLike[str] | None) -> Path:

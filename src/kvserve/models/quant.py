@@ -134,6 +134,21 @@ class Q8Linear:
         self.q, self.d = kernels.q8_quantize(weight.detach().float().contiguous())
         self.out_features, self.in_features = weight.shape
 
+    @classmethod
+    def from_packed(cls, q: torch.Tensor, d: torch.Tensor, in_features: int) -> Q8Linear:
+        """The layer over blocks q8_quantize made before (a saved copy: models/packed.py)."""
+        kernels = cpu_kernels()
+        if kernels is None:
+            raise RuntimeError("q8 needs kvserve's C kernels, which did not build here")
+        self = cls.__new__(cls)
+        self.kernels, self.q, self.d = kernels, q, d
+        self.out_features, self.in_features = q.shape[0], in_features
+        return self
+
+    def packed_state(self) -> dict[str, torch.Tensor]:
+        """What from_packed takes back (with in_features)."""
+        return {"q": self.q, "d": self.d}
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()
         y = self.kernels.q8_matmul(rows, self.q, self.d).view(*x.shape[:-1], self.out_features)
@@ -188,8 +203,36 @@ class Q8Bf16Linear:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.q8 = Q8Linear(weight)
-        self.packed = pack_weight(weight.detach().bfloat16())
-        self.out_features, self.in_features = weight.shape
+        self._init_bf16(weight.detach().bfloat16().contiguous())
+
+    def _init_bf16(self, bf16: torch.Tensor) -> None:
+        # oneDNN's blocked copy is made on the first step of more than SMALL rows: a
+        # start does not wait for it (the 262k-row head alone takes ~0.5 s), and a
+        # session of short prompts never needs it.
+        self.bf16: torch.Tensor | None = bf16
+        self._packed: torch.Tensor | None = None
+        self.out_features, self.in_features = bf16.shape
+
+    @classmethod
+    def from_packed(cls, q: torch.Tensor, d: torch.Tensor, bf16: torch.Tensor) -> Q8Bf16Linear:
+        """The layer over a saved Q8_0 copy and bf16 weight (models/packed.py)."""
+        self = cls.__new__(cls)
+        self.q8 = Q8Linear.from_packed(q, d, bf16.shape[1])
+        self._init_bf16(bf16)
+        return self
+
+    def packed_state(self) -> dict[str, torch.Tensor]:
+        """What from_packed takes back; the bf16 weight exists until its first large step."""
+        if self.bf16 is None:
+            raise RuntimeError("the bf16 weight is already oneDNN-packed; save before running")
+        return {**self.q8.packed_state(), "bf16": self.bf16}
+
+    @property
+    def packed(self) -> torch.Tensor:
+        """oneDNN's blocked bf16 copy, made (and the plain one dropped) on first use."""
+        if self._packed is None:
+            self._packed, self.bf16 = pack_weight(self.bf16), None
+        return self._packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.SMALL * self.in_features:
@@ -210,6 +253,15 @@ _KINDS: dict[str, type[QuantLinear]] = {"fp16": Fp16Linear, "q8": Q8Linear,
 def quantized(weight: torch.Tensor, mode: str) -> QuantLinear:
     """The packed copy of a [out, in] weight for a mode other than none."""
     return _KINDS[mode](weight)
+
+
+def from_packed(mode: str, parts: dict[str, torch.Tensor], in_features: int) -> QuantLinear:
+    """A q8 or q8+bf16 layer over the parts its packed_state gave."""
+    if mode == "q8":
+        return Q8Linear.from_packed(parts["q"], parts["d"], in_features)
+    if mode == "q8+bf16":
+        return Q8Bf16Linear.from_packed(parts["q"], parts["d"], parts["bf16"])
+    raise ValueError(f"no saved form for quantization {mode!r}")
 
 
 def quantize_all(weights: list[torch.Tensor], mode: str) -> list[QuantLinear]:

@@ -1,0 +1,219 @@
+"""A quantized model saved as served: a warm start maps it instead of quantizing again.
+
+Serving q8 or q8+bf16 from a converted GGUF (models/loader.py) means building the float32
+model (fusing q/k/v and gate/up: ~1 s of copying on 2 cores), rounding every linear to
+Q8_0 blocks, and for q8+bf16 casting the model and every weight to bf16 (~3.5 s in all
+for Gemma 3 270M). All of it is a function of the converted weights, the mode, the dtype
+and the Q8_0 layout, so the first start writes the result next to the converted weights,
+`packed-<mode>-<dtype>-L<layout>-v<format>.safetensors`, and later starts map that file:
+the packed blocks, the bf16 weights (oneDNN's own blocking is made from them on first
+use, see quant.Q8Bf16Linear) and every other parameter already in the serving dtype.
+
+The file is trusted only if everything it was made from still holds: this format, the
+kernels' `CpuKernels.Q8_LAYOUT`, the mode, the dtype, the float weights' size and mtime,
+the tensor names, shapes and dtypes the model expects, the file's size and a CRC-32 of
+its tensor bytes (read through the page cache, ~0.2 s per GB, not mapped, so a check does
+not make the whole file resident). Anything else, a truncated or corrupted file
+included, is removed and the model quantized again; a cache that cannot be written (a
+full disk, a read-only directory) only costs the next start the same work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+import warnings
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvserve.kernels.cpu import CpuKernels
+from kvserve.models.base import CausalLM, ModelConfig, _no_init
+from kvserve.models.layers import Linear
+from kvserve.models.quant import from_packed
+
+FORMAT = 1  # bump when what the file holds changes
+MODES = ("q8", "q8+bf16")
+HEAD = "tied_head"  # the key prefix of a tied embedding's packed head
+_CHUNK = 1 << 24  # bytes read at a time while checking the CRC
+_PARTS = ("q", "d", "bf16")  # what a packed layer's packed_state holds
+
+Spec = tuple[tuple[int, ...], torch.dtype]
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I8": torch.int8,
+              "F16": torch.float16, "I64": torch.int64, "I32": torch.int32}
+
+
+def packed_file(entry: Path, mode: str, dtype: torch.dtype) -> Path:
+    """Where a model's packed form for this mode and dtype lives in its cache entry."""
+    name = str(dtype).removeprefix("torch.")
+    return entry / (f"packed-{mode.replace('+', '-')}-{name}-L{CpuKernels.Q8_LAYOUT}"
+                    f"-v{FORMAT}.safetensors")
+
+
+def packed_state(model: CausalLM) -> dict[str, torch.Tensor]:
+    """Everything a quantized model serves from: its remaining parameters as they are,
+    and each linear's packed parts under `<module>.<part>` (the tied head under HEAD)."""
+    state = {k: v for k, v in model.state_dict().items() if not v.is_meta}
+    for name, module in _linears(model):
+        state.update({f"{name}.{k}": v for k, v in module.quant.packed_state().items()})
+    if model.lm_head is None and model.quant_head is not None:
+        state.update({f"{HEAD}.{k}": v for k, v in model.quant_head.packed_state().items()})
+    return state
+
+
+def save(model: CausalLM, path: Path, source: Path) -> bool:
+    """Write the model's packed form to path (atomically); False, with a warning, where it
+    cannot be written."""
+    state = {k: v.contiguous() for k, v in packed_state(model).items()}
+    meta = _metadata(model.quantization, model.dtype, source)
+    meta["crc32"] = str(_crc_of_tensors(state))
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        os.close(fd)
+        save_file(state, tmp, metadata=meta)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is an ordinary user dir
+        os.replace(tmp, path)
+        return True
+    except OSError as err:
+        warnings.warn(f"kvserve: could not save the packed model ({err}); the next start "
+                      "quantizes again", stacklevel=2)
+        return False
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load(model_cls: type[CausalLM], config: ModelConfig, path: Path, mode: str,
+         dtype: torch.dtype, source: Path) -> CausalLM | None:
+    """The model from its packed form at path, or None (the file removed if it was there
+    but not valid) when it must be quantized again."""
+    if mode not in MODES or not path.is_file():
+        return None
+    with torch.device("meta"), _no_init():
+        model = model_cls(config)
+    try:
+        problem = _problem(path, _expected(model, mode, dtype), _metadata(mode, dtype, source))
+        tensors = load_file(path) if problem is None else None
+    except (OSError, ValueError, UnicodeDecodeError, struct.error) as err:
+        problem, tensors = f"unreadable ({err})", None
+    if tensors is None:
+        warnings.warn(f"kvserve: {path.name}: {problem}; quantizing again", stacklevel=2)
+        path.unlink(missing_ok=True)
+        return None
+    return _adopt(model, tensors, mode)
+
+
+# ------------------------------------------------------------------------------ model
+
+
+def _linears(model: CausalLM) -> list[tuple[str, Linear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+
+
+def _part_specs(mode: str, out_features: int, in_features: int) -> dict[str, Spec]:
+    kp = -(-in_features // CpuKernels.Q8_GROUP) * CpuKernels.Q8_GROUP
+    specs = {"q": ((out_features, kp), torch.int8), "d": ((out_features, kp // 32), torch.float32)}
+    if mode == "q8+bf16":
+        specs["bf16"] = ((out_features, in_features), torch.bfloat16)
+    return specs
+
+
+def _expected(model: CausalLM, mode: str, dtype: torch.dtype) -> dict[str, Spec]:
+    """Name -> (shape, dtype) of every tensor the packed form of this (meta) model holds."""
+    linears = _linears(model)
+    dropped = {f"{name}.weight" for name, _ in linears}
+    out = {k: (tuple(v.shape), dtype if v.is_floating_point() else v.dtype)
+           for k, v in model.state_dict().items() if k not in dropped}
+    for name, m in linears:
+        out.update({f"{name}.{k}": s for k, s in
+                    _part_specs(mode, m.out_features, m.in_features).items()})
+    if model.lm_head is None:
+        vocab, hidden = model.model.embed_tokens.weight.shape
+        out.update({f"{HEAD}.{k}": s for k, s in _part_specs(mode, vocab, hidden).items()})
+    return out
+
+
+def _adopt(model: CausalLM, tensors: dict[str, torch.Tensor], mode: str) -> CausalLM:
+    """Give the meta-built model the loaded tensors: its parameters, and each linear its
+    packed layer (the float weight stays a meta tensor, as quantize leaves it)."""
+    linears = _linears(model)
+    owners = [name for name, _ in linears] + [HEAD]
+    packed = {f"{o}.{p}" for o in owners for p in _PARTS}
+
+    def parts(owner: str) -> dict[str, torch.Tensor]:
+        return {p: tensors[f"{owner}.{p}"] for p in _PARTS if f"{owner}.{p}" in tensors}
+
+    model.load_state_dict({k: v for k, v in tensors.items() if k not in packed},
+                          strict=False, assign=True)
+    for name, m in linears:
+        m.quant = from_packed(mode, parts(name), m.in_features)
+    if model.lm_head is None:
+        model.quant_head = from_packed(mode, parts(HEAD), model.config.hidden_size)
+    model.quantization = mode
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------ file
+
+
+def _metadata(mode: str, dtype: torch.dtype, source: Path) -> dict[str, str]:
+    st = source.stat()
+    return {"kvserve_packed": str(FORMAT), "q8_layout": str(CpuKernels.Q8_LAYOUT),
+            "mode": mode, "dtype": str(dtype), "source": f"{st.st_size}:{st.st_mtime_ns}"}
+
+
+def _problem(path: Path, expect: Mapping[str, Spec], meta: Mapping[str, str]) -> str | None:
+    """Why the file at path is not the packed form expected, or None if it is."""
+    with open(path, "rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        if size > 1 << 28:
+            return "header size out of range"
+        header = json.loads(fh.read(size))
+        data_start = 8 + size
+        got = header.pop("__metadata__", {}) or {}
+        stale = [k for k, v in meta.items() if got.get(k) != v]
+        if stale:
+            return f"made for another {', '.join(stale)}"
+        if set(header) != set(expect):
+            return "holds other tensors than the model has"
+        for name, (shape, dtype) in expect.items():
+            entry = header[name]
+            if tuple(entry["shape"]) != shape or _ST_DTYPES.get(entry["dtype"]) != dtype:
+                return f"{name} has another shape or dtype"
+        end = max((e["data_offsets"][1] for e in header.values()), default=0)
+        if os.fstat(fh.fileno()).st_size != data_start + end:
+            return "truncated or padded"
+        if _crc_of_file(fh, header, data_start) != int(got.get("crc32", "-1")):
+            return "corrupted (CRC-32 mismatch)"
+    return None
+
+
+def _crc_of_tensors(state: Mapping[str, torch.Tensor]) -> int:
+    crc = 0
+    for name in sorted(state):
+        crc = zlib.crc32(state[name].reshape(-1).view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def _crc_of_file(fh, header: Mapping[str, dict], data_start: int) -> int:  # noqa: ANN001
+    """The CRC-32 of the tensors' bytes in name order (as _crc_of_tensors), read by
+    chunks into one buffer rather than mapped."""
+    buf = memoryview(bytearray(_CHUNK))
+    crc = 0
+    for name in sorted(header):
+        begin, end = header[name]["data_offsets"]
+        fh.seek(data_start + begin)
+        while begin < end:
+            n = fh.readinto(buf[:min(_CHUNK, end - begin)])
+            if not n:
+                raise ValueError("file ends inside a tensor")
+            crc = zlib.crc32(buf[:n], crc)
+            begin += n
+    return crc
