@@ -278,4 +278,30 @@ def test_the_fast_tokenizer_load_matches_transformers_own(kv: KvModel, gguf_path
     assert got.all_special_ids == want.all_special_ids
     assert (got.bos_token_id, got.eos_token_id, got.pad_token_id) == (
         want.bos_token_id, want.eos_token_id, want.pad_token_id)
-    assert len(got) == len(want)
+    assert len(got) == len(want) and got.vocab_size == want.vocab_size
+    assert got.encode("Hello there") == want.encode("Hello there")
+    # The chat template (the family's: the GGUF ships none) renders and tokenizes alike.
+    want.chat_template = got.chat_template
+    chats = [[{"role": "user", "content": "Name three colours."}],
+             [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "hi"},
+              {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "é 🤖"}]]
+    for chat in chats:
+        for tokenize in (False, True):
+            assert got.apply_chat_template(chat, add_generation_prompt=True, tokenize=tokenize) \
+                == want.apply_chat_template(chat, add_generation_prompt=True, tokenize=tokenize)
+        assert got.apply_chat_template(chat, return_dict=True).input_ids == \
+            want.apply_chat_template(chat, return_dict=True)["input_ids"]
+
+
+def test_the_fast_tokenizer_copies_and_pickles(kv: KvModel) -> None:
+    """The server gives its tokenizer thread a deep copy; the cluster ships it over Ray."""
+    import copy
+    import pickle
+
+    from kvserve.models.tokenizer import FastTokenizer
+
+    assert isinstance(kv.tokenizer, FastTokenizer)  # transformers' class stays off this path
+    for other in (copy.deepcopy(kv.tokenizer), pickle.loads(pickle.dumps(kv.tokenizer))):
+        assert other.encode("émoji 🤖") == kv.tokenizer.encode("émoji 🤖")
+        assert other.eos_token_id == kv.tokenizer.eos_token_id
+        assert other.chat_template == kv.tokenizer.chat_template

@@ -26,8 +26,12 @@ from kvserve.models.base import CausalLM, ModelConfig
 from kvserve.models.checkpoint import eos_ids
 from kvserve.paths import default_cache_dir
 
-if TYPE_CHECKING:  # transformers is slow to import; only the tokenizer path needs it
+if TYPE_CHECKING:  # transformers is slow to import; only some tokenizers need it
     from transformers import PreTrainedTokenizerBase
+
+    from kvserve.models.tokenizer import FastTokenizer
+
+    Tokenizer = FastTokenizer | PreTrainedTokenizerBase
 
 # Bump when the converted layout changes so stale caches are rebuilt rather than misread.
 CACHE_FORMAT = 3  # 2: the config records the GGUF's weight types; 3: and its family
@@ -36,7 +40,7 @@ _WEIGHTS_FILE = "model.safetensors"
 _TOKENIZER_DIR = "tokenizer"  # own folder: AutoTokenizer would misread our config.json
 _FORMAT_KEY = "kvserve_cache_format"
 
-LoadedModel = tuple[ModelConfig, dict[str, torch.Tensor], "PreTrainedTokenizerBase"]
+LoadedModel = tuple[ModelConfig, dict[str, torch.Tensor], "Tokenizer"]
 
 
 def load_model_files(
@@ -61,7 +65,7 @@ class OpenedModel:
 
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]
-    tokenizer: Future[PreTrainedTokenizerBase]
+    tokenizer: Future[Tokenizer]
     entry: Path | None = None
 
 
@@ -91,7 +95,7 @@ def load_model(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
     cache_dir: str | os.PathLike[str] | None = None,
-) -> tuple[CausalLM, PreTrainedTokenizerBase]:
+) -> tuple[CausalLM, Tokenizer]:
     """Convenience: :func:`load_model_files` + build the model on ``device`` in ``dtype``."""
     config, state_dict, tokenizer = load_model_files(path, cache_dir=cache_dir)
     return build_model(config, state_dict, device=device, dtype=dtype), tokenizer
@@ -350,42 +354,33 @@ def _hf_rename(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------- tokenizer
 
 
-_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token", "sep_token",
-            "cls_token", "additional_special_tokens")
-
-
-def _load_tokenizer(directory: Path, family: str) -> PreTrainedTokenizerBase:
-    """The saved tokenizer.json under transformers' generic fast tokenizer.
+def _load_tokenizer(directory: Path, family: str) -> Tokenizer:
+    """The saved tokenizer.json under kvserve's FastTokenizer (models/tokenizer.py).
 
     AutoTokenizer builds the family's class (GemmaTokenizer), which goes over the config's
-    added tokens one by one in Python: 2.5-3.8 s for Gemma 3's 262k vocabulary on 2 cores,
-    the longest part of a warm start. tokenizer.json already holds the whole pipeline
-    (normalizer, pre-tokenizer, added tokens, the BOS post-processor), so the generic class
-    over it with the config's named special tokens gives the same ids and text (test) in
-    about 1 s.
+    added tokens one by one in Python: 2.5-3.8 s for Gemma 3's 262k vocabulary on 2 cores;
+    transformers' generic fast class over tokenizer.json still imports transformers and
+    sets itself up (~1.6 s in all, the longest part of a warm start once the model maps
+    from its packed form). tokenizer.json holds the whole pipeline (normalizer,
+    pre-tokenizer, added tokens, the BOS post-processor), so the `tokenizers` package
+    alone gives the same ids and text (test) in ~0.7 s.
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from kvserve.models.tokenizer import FastTokenizer
 
     files = directory / "tokenizer.json", directory / "tokenizer_config.json"
+    template = directory / "chat_template.jinja"  # where transformers 5 saves it
+    tokenizer: Tokenizer | None = None
     if all(f.is_file() for f in files):
-        config = json.loads(files[1].read_text())
-        special = {k: _token_text(config[k]) for k in _SPECIAL if config.get(k) is not None}
-        template = directory / "chat_template.jinja"  # where transformers 5 saves it
-        tokenizer = PreTrainedTokenizerFast(
-            tokenizer_file=str(files[0]), **special,
-            chat_template=template.read_text() if template.is_file()
-            else config.get("chat_template"))
-    else:  # an HF directory with only a slow tokenizer's files
+        try:
+            tokenizer = FastTokenizer.from_files(
+                *files, template.read_text() if template.is_file() else None)
+        except ValueError:  # a clean-up FastTokenizer does not reproduce: transformers'
+            tokenizer = None
+    if tokenizer is None:  # or an HF directory with only a slow tokenizer's files
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     if not tokenizer.chat_template:
         # Some GGUF converters (llama.cpp's Gemma one) write no template: the family's.
         tokenizer.chat_template = getattr(registry.by_name(family).load(), "CHAT_TEMPLATE", None)
     return tokenizer
-
-
-def _token_text(value: Any) -> Any:
-    """A special token as tokenizer_config.json stores it (a string, or an AddedToken's
-    fields), as text; lists item by item."""
-    if isinstance(value, list):
-        return [_token_text(v) for v in value]
-    return value["content"] if isinstance(value, dict) else value
