@@ -1,8 +1,9 @@
 """OpenAI completions and chat completions on top of the engine thread.
 
-A handler tokenizes (on its own tokenizer thread, with its own copy of the
-tokenizer: HF tokenizers are not meant to be shared across threads, and the
-engine thread detokenizes with the original), checks lengths and parameters,
+A handler tokenizes (on its own tokenizer thread; with its own copy of a transformers
+tokenizer, which changes its backend's settings on every call and so cannot be shared
+with the engine thread's detokenizing, while kvserve's FastTokenizer only reads its
+backend and is shared), checks lengths and parameters,
 submits every prompt to the engine loop at once, then either streams SSE chunks
 or waits for the end. A client that goes away, streaming or not, aborts its
 engine requests, which frees their KV pages.
@@ -26,6 +27,7 @@ from jinja2 import TemplateError
 from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.request import InvalidRequest, RequestOutput, SamplingParams
+from kvserve.models.tokenizer import FastTokenizer
 from kvserve.server import protocol as p
 from kvserve.server.engine_loop import EngineFailure, EngineLoop, RequestGroup, Submission
 from kvserve.server.errors import APIError, error_body
@@ -46,7 +48,10 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.config.vocab_size
         self.created = p.now()
-        self._tokenizer = copy.deepcopy(engine.tokenizer)
+        tokenizer = engine.tokenizer
+        # A copy of the 262k-entry tokenizer takes ~1 s of a server's start: only where needed.
+        self._tokenizer = (tokenizer if isinstance(tokenizer, FastTokenizer)
+                           else copy.deepcopy(tokenizer))
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
 
     def close(self) -> None:
