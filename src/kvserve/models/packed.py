@@ -5,7 +5,7 @@ model (fusing q/k/v and gate/up: ~1 s of copying on 2 cores), rounding every lin
 Q8_0 blocks, and for q8+bf16 casting the model and every weight to bf16 (~3.5 s in all
 for Gemma 3 270M). All of it is a function of the converted weights, the mode, the dtype
 and the Q8_0 layout, so the first start writes the result next to the converted weights,
-`packed-<mode>-<dtype>-L<layout>-v<format>.safetensors`, and later starts map that file:
+`packed-<mode>-<dtype>-v<format>.safetensors`, and later starts map that file:
 the packed blocks, the bf16 weights (oneDNN's own blocking is made from them on first
 use, see quant.Q8Bf16Linear) and every other parameter already in the serving dtype.
 
@@ -50,9 +50,10 @@ _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I8": torch.int8,
 
 def packed_file(entry: Path, mode: str, dtype: torch.dtype) -> Path:
     """Where a model's packed form for this mode and dtype lives in its cache entry."""
+    # The layout is checked inside the file, not named by it: a file of an older layout is
+    # replaced where it lies rather than left behind beside the new one.
     name = str(dtype).removeprefix("torch.")
-    return entry / (f"packed-{mode.replace('+', '-')}-{name}-L{CpuKernels.Q8_LAYOUT}"
-                    f"-v{FORMAT}.safetensors")
+    return entry / f"packed-{mode.replace('+', '-')}-{name}-v{FORMAT}.safetensors"
 
 
 def packed_state(model: CausalLM) -> dict[str, torch.Tensor]:

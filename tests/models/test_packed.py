@@ -1,0 +1,159 @@
+"""The saved packed model (models/packed.py): a warm start serves exactly what quantizing
+from the float weights serves, and a file that is not right is rebuilt, never trusted."""
+
+from __future__ import annotations
+
+import errno
+import os
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvserve.cpu_features import bf16_native
+from kvserve.kernels.cpu import CpuKernels, cpu_kernels
+from kvserve.models import Gemma3Config, Gemma3ForCausalLM, loader, packed
+from kvserve.models.attention_ref import sequence_logits
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="q8 needs the C kernels")
+MODES = [("q8", torch.float32)] + (
+    [("q8+bf16", torch.bfloat16)] if bf16_native() else [])
+IDS = [2, 17, 99, 5, 250, 31, 64, 8, 120, 77, 13, 200, 150, 42, 9, 11, 23, 180, 55, 3]
+
+
+def _tiny_state() -> tuple[Gemma3Config, dict[str, torch.Tensor]]:
+    """A tiny random Gemma 3 as float32 weights; K = 64 is padded to one 128-wide group."""
+    torch.manual_seed(0)
+    config = Gemma3Config(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return config, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture
+def entry(tmp_path: Path) -> tuple[Path, object, dict[str, torch.Tensor]]:
+    """A converted-cache entry holding the tiny model's float weights."""
+    config, state = _tiny_state()
+    save_file(state, tmp_path / "model.safetensors")
+    return tmp_path, config, state
+
+
+def _opened(entry: tuple) -> loader.OpenedModel:
+    path, config, state = entry
+    return loader.OpenedModel(config, dict(state), Future(), path)
+
+
+def _from_float(config, state, mode: str, dtype: torch.dtype) -> Gemma3ForCausalLM:  # noqa: ANN001
+    model = Gemma3ForCausalLM.from_state_dict(config, dict(state))
+    model.quantize(mode)
+    return model.to(dtype)
+
+
+def _logits(model: Gemma3ForCausalLM) -> list[torch.Tensor]:
+    # All 20 rows at once take q8+bf16's bf16 path (> 16 rows), one at a time its Q8_0 one.
+    return [sequence_logits(model, IDS), sequence_logits(model, IDS[:6], step=1)]
+
+
+def _warm(entry: tuple, mode: str, dtype: torch.dtype, monkeypatch) -> Gemma3ForCausalLM:  # noqa: ANN001
+    """build_quantized where building from the float weights is not allowed."""
+    with monkeypatch.context() as m:
+        m.setattr(loader, "build_model", _refuse)
+        return loader.build_quantized(_opened(entry), mode, dtype)
+
+
+def _refuse(*_: object, **__: object) -> None:
+    raise AssertionError("built from the float weights: the packed file was not used")
+
+
+@pytest.mark.parametrize(("mode", "dtype"), MODES)
+def test_a_warm_start_serves_bit_identically_to_quantizing(entry, mode, dtype,
+                                                           monkeypatch) -> None:
+    path, config, state = entry
+    want = _logits(_from_float(config, state, mode, dtype))
+    cold = loader.build_quantized(_opened(entry), mode, dtype)  # quantizes, saves
+    assert packed.packed_file(path, mode, dtype).is_file()
+    warm = _warm(entry, mode, dtype, monkeypatch)
+    assert warm.quantization == mode and warm.dtype == dtype
+    assert warm.model.layers[0].mlp.down_proj.weight.is_meta  # no float copy
+    for got in (_logits(cold), _logits(warm)):
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
+def _damage(path: Path, how: str) -> None:
+    if how == "truncated":
+        os.truncate(path, path.stat().st_size - 100)
+    elif how == "corrupted":  # one byte in the middle of the tensor data
+        with open(path, "r+b") as fh:
+            fh.seek(path.stat().st_size // 2)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 0x40]))
+    elif how == "garbage":
+        path.write_bytes(b"\xff" * 64)
+
+
+@pytest.mark.parametrize("how", ["truncated", "corrupted", "garbage", "stale layout",
+                                 "stale source"])
+def test_a_bad_file_is_detected_and_rebuilt(entry, how, monkeypatch) -> None:
+    path, config, state = entry
+    mode, dtype = MODES[-1]
+    loader.build_quantized(_opened(entry), mode, dtype)
+    file = packed.packed_file(path, mode, dtype)
+    if how == "stale layout":  # the kernels' packing changed since the file was made
+        monkeypatch.setattr(CpuKernels, "Q8_LAYOUT", CpuKernels.Q8_LAYOUT + 1)
+    elif how == "stale source":  # the float weights were rewritten
+        os.utime(path / "model.safetensors", ns=(1, 1))
+    else:
+        _damage(file, how)
+    with pytest.warns(UserWarning, match="quantizing again"):
+        rebuilt = loader.build_quantized(_opened(entry), mode, dtype)
+    want = _logits(_from_float(config, state, mode, dtype))
+    assert all(torch.equal(g, w) for g, w in zip(_logits(rebuilt), want))
+    # The rebuilt file is whole again, and the next start uses it.
+    warm = _warm(entry, mode, dtype, monkeypatch)
+    assert all(torch.equal(g, w) for g, w in zip(_logits(warm), want))
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
+def test_an_unwritable_cache_only_costs_the_next_start(entry, code, monkeypatch) -> None:
+    path, config, state = entry
+    mode, dtype = MODES[0]
+
+    def fail(*_: object, **__: object) -> None:
+        raise OSError(code, os.strerror(code))
+
+    # A full disk fails while writing; a read-only or foreign directory at creating.
+    monkeypatch.setattr(packed, "save_file" if code == errno.ENOSPC else "tempfile",
+                        fail if code == errno.ENOSPC else _NoTemp(fail))
+    with pytest.warns(UserWarning, match="could not save the packed model"):
+        model = loader.build_quantized(_opened(entry), mode, dtype)
+    want = _logits(_from_float(config, state, mode, dtype))
+    assert all(torch.equal(g, w) for g, w in zip(_logits(model), want))
+    assert [p.name for p in path.iterdir()] == ["model.safetensors"]  # no file, no temp
+
+
+class _NoTemp:
+    """tempfile whose mkstemp fails as a read-only directory makes it."""
+
+    def __init__(self, fail) -> None:  # noqa: ANN001
+        self.mkstemp = fail
+
+
+def test_modes_without_a_saved_form_and_hf_directories_quantize_as_before(entry) -> None:
+    path, config, state = entry
+    opened = _opened(entry)
+    opened.entry = None  # an HF directory: nothing of ours to write into
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = loader.build_quantized(opened, "q8", torch.float32)
+    assert model.quantization == "q8"
+    assert not any(p.name.startswith("packed-") for p in path.iterdir())
