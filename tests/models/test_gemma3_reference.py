@@ -305,3 +305,18 @@ def test_the_fast_tokenizer_copies_and_pickles(kv: KvModel) -> None:
         assert other.encode("émoji 🤖") == kv.tokenizer.encode("émoji 🤖")
         assert other.eos_token_id == kv.tokenizer.eos_token_id
         assert other.chat_template == kv.tokenizer.chat_template
+
+
+def test_the_fast_tokenizer_is_shared_across_threads(kv: KvModel) -> None:
+    """The server's tokenizer thread encodes while the engine thread decodes, with one
+    FastTokenizer (it never changes its backend's settings)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok = kv.tokenizer
+    texts = [ledger_text(k) for k in range(1, 9)]
+    want = [tok.encode(t) for t in texts]
+    with ThreadPoolExecutor(4) as pool:
+        encoded = pool.map(tok.encode, texts * 4)
+        decoded = pool.map(tok.decode, want * 4)
+        assert list(encoded) == want * 4
+        assert list(decoded) == [tok.decode(ids) for ids in want] * 4

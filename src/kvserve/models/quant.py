@@ -229,9 +229,15 @@ class Q8Bf16Linear:
 
     @property
     def packed(self) -> torch.Tensor:
-        """oneDNN's blocked bf16 copy, made (and the plain one dropped) on first use."""
+        """oneDNN's blocked bf16 copy, made (and the plain one dropped) on first use. Safe
+        to race (a server's prepack thread and its engine): _packed is set before bf16 is
+        dropped, so a caller that finds no plain weight finds the packed one."""
         if self._packed is None:
-            self._packed, self.bf16 = pack_weight(self.bf16), None
+            bf16 = self.bf16
+            if bf16 is None:
+                return self._packed
+            self._packed = pack_weight(bf16)
+            self.bf16 = None
         return self._packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
