@@ -123,17 +123,29 @@ def test_a_bad_file_is_detected_and_rebuilt(entry, how, monkeypatch) -> None:
     assert all(torch.equal(g, w) for g, w in zip(_logits(warm), want))
 
 
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
-def test_an_unwritable_cache_only_costs_the_next_start(entry, code, monkeypatch) -> None:
-    path, config, state = entry
-    mode, dtype = MODES[0]
+def _short_write(real):  # noqa: ANN001, ANN202
+    """save_file on a full disk: safetensors reports nothing and leaves a short file."""
+    def write(state, path, metadata=None):  # noqa: ANN001, ANN202
+        real(state, path, metadata=metadata)
+        os.truncate(path, os.path.getsize(path) // 2)
+    return write
 
+
+def _raise(code: int):  # noqa: ANN202
     def fail(*_: object, **__: object) -> None:
         raise OSError(code, os.strerror(code))
+    return fail
 
-    # A full disk fails while writing; a read-only or foreign directory at creating.
-    monkeypatch.setattr(packed, "save_file" if code == errno.ENOSPC else "tempfile",
-                        fail if code == errno.ENOSPC else _NoTemp(fail))
+
+@pytest.mark.parametrize("how", ["full disk", "read-only", "no permission"])
+def test_an_unwritable_cache_only_costs_the_next_start(entry, how, monkeypatch) -> None:
+    path, config, state = entry
+    mode, dtype = MODES[0]
+    if how == "full disk":
+        monkeypatch.setattr(packed, "save_file", _short_write(packed.save_file))
+    else:  # the directory refuses new files
+        code = errno.EROFS if how == "read-only" else errno.EACCES
+        monkeypatch.setattr(packed.tempfile, "mkstemp", _raise(code))
     with pytest.warns(UserWarning, match="could not save the packed model"):
         model = loader.build_quantized(_opened(entry), mode, dtype)
     want = _logits(_from_float(config, state, mode, dtype))
@@ -141,11 +153,21 @@ def test_an_unwritable_cache_only_costs_the_next_start(entry, code, monkeypatch)
     assert [p.name for p in path.iterdir()] == ["model.safetensors"]  # no file, no temp
 
 
-class _NoTemp:
-    """tempfile whose mkstemp fails as a read-only directory makes it."""
-
-    def __init__(self, fail) -> None:  # noqa: ANN001
-        self.mkstemp = fail
+def test_a_bad_file_in_a_read_only_cache_is_ignored(entry, monkeypatch) -> None:
+    """Neither removed nor replaced there: each start quantizes, and none crashes."""
+    path, config, state = entry
+    mode, dtype = MODES[0]
+    loader.build_quantized(_opened(entry), mode, dtype)
+    file = packed.packed_file(path, mode, dtype)
+    _damage(file, "corrupted")
+    monkeypatch.setattr(packed.tempfile, "mkstemp", _raise(errno.EROFS))
+    monkeypatch.setattr(Path, "unlink", _raise(errno.EROFS))
+    with pytest.warns(UserWarning) as seen:
+        model = loader.build_quantized(_opened(entry), mode, dtype)
+    assert {"quantizing again", "could not save"} <= {
+        m for w in seen for m in ("quantizing again", "could not save") if m in str(w.message)}
+    want = _logits(_from_float(config, state, mode, dtype))
+    assert all(torch.equal(g, w) for g, w in zip(_logits(model), want))
 
 
 def test_modes_without_a_saved_form_and_hf_directories_quantize_as_before(entry) -> None:

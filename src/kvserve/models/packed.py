@@ -20,6 +20,7 @@ full disk, a read-only directory) only costs the next start the same work.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -27,9 +28,11 @@ import tempfile
 import warnings
 import zlib
 from collections.abc import Mapping
+from contextlib import suppress
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kvserve.kernels.cpu import CpuKernels
@@ -79,6 +82,11 @@ def save(model: CausalLM, path: Path, source: Path) -> bool:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         os.close(fd)
         save_file(state, tmp, metadata=meta)
+        # safetensors does not report a failed write (a full disk leaves a short file):
+        # check the file as a start will before putting it in place.
+        problem = _problem(Path(tmp), _expected(model, model.quantization, model.dtype), meta)
+        if problem is not None:
+            raise OSError(errno.EIO, f"the written file is {problem}")
         os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is an ordinary user dir
         os.replace(tmp, path)
         return True
@@ -102,11 +110,12 @@ def load(model_cls: type[CausalLM], config: ModelConfig, path: Path, mode: str,
     try:
         problem = _problem(path, _expected(model, mode, dtype), _metadata(mode, dtype, source))
         tensors = load_file(path) if problem is None else None
-    except (OSError, ValueError, UnicodeDecodeError, struct.error) as err:
-        problem, tensors = f"unreadable ({err})", None
+    except (OSError, ValueError, KeyError, TypeError, struct.error, SafetensorError) as err:
+        problem, tensors = f"unreadable ({err!r})", None
     if tensors is None:
         warnings.warn(f"kvserve: {path.name}: {problem}; quantizing again", stacklevel=2)
-        path.unlink(missing_ok=True)
+        with suppress(OSError):  # a read-only cache keeps it; the save will fail too
+            path.unlink()
         return None
     return _adopt(model, tensors, mode)
 
