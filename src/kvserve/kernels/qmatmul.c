@@ -55,18 +55,25 @@ enum { Q8 = 0, Q5 = 1 };
 /* Bytes of a packed row of Kp weights. */
 static inline int64_t row_bytes(int F, int Kp) { return F == Q8 ? Kp : Kp / GROUP * Q5_BYTES; }
 
-/* fp16 <-> float by the compiler's _Float16 (F16C's instructions where the CPU has them),
- * rounding to nearest even as llama.cpp's GGML_FP32_TO_FP16 does. */
+/* fp16 <-> float by hand: _Float16 needs GCC 12 or clang 15 on x86, and F16C's
+ * instructions are only in the SIMD paths. Rounding to nearest even, as llama.cpp's
+ * GGML_FP32_TO_FP16 does; scales never reach infinity or NaN (|d| <= max |w| / 16). */
 static inline float half_to_float(uint16_t h) {
-    _Float16 v;
-    memcpy(&v, &h, 2);
-    return (float)v;
+    const int exp = h >> 10 & 31, man = h & 1023;
+    const float v = exp ? ldexpf((float)(1024 + man), exp - 25) : ldexpf((float)man, -24);
+    return h >> 15 ? -v : v;
 }
 static inline uint16_t float_to_half(float f) {
-    const _Float16 v = (_Float16)f;
-    uint16_t h;
-    memcpy(&h, &v, 2);
-    return h;
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = x >> 16 & 0x8000;
+    const float a = fabsf(f);
+    if (!(a < 65520.f)) return sign | 0x7c00; /* rounds past fp16's largest value */
+    if (a < 6.103515625e-05f) /* subnormal: whole units of 2^-24, rintf rounding to even */
+        return sign | (uint16_t)rintf(a * 16777216.f);
+    x &= 0x7fffffff;
+    x += 0xfff + (x >> 13 & 1); /* round off 13 mantissa bits to even (may carry on) */
+    return sign | (uint16_t)((x >> 13) - (112 << 10));
 }
 
 /* A Q5_0 group holds code p (of the 128 in group_pos order) in byte p % 64's low nibble
