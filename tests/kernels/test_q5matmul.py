@@ -86,9 +86,11 @@ def test_q5_quantize_packs_what_q5_blocks_rounds(kernels, k: int) -> None:
     w[3, :32] = 0.0  # a block whose scale is 0
     w[5, 7] = 3.0  # an outlier sets its block's scale
     w[6, :32] = torch.arange(-16, 16) * 0.25  # exact grid values: .5 ties in w / d + 16.5
-    got = kernels.q5_quantize(w)
+    q, d, inexact = kernels.q5_quantize(w)
     want = kernels.q5_pack(*q5_blocks(w))
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(q, want[0]) and torch.equal(d, want[1])
+    assert inexact > 0  # random weights are not on a Q5_0 grid
+    assert kernels.q5_quantize(q5_dequantize(*q5_blocks(w)))[2] == 0  # but their blocks are
     with pytest.raises(ValueError, match="q5_quantize"):
         kernels.q5_quantize(torch.zeros(4, 48))
 
@@ -131,5 +133,6 @@ def test_gguf_q5_0_tensors_round_trip_exactly(gguf_q5) -> None:
 def test_q5_quantize_round_trips_gguf_tensors(gguf_q5, kernels) -> None:
     """The C rounding too gives the file's blocks back, on the first few Q5_0 tensors."""
     for name, raw, w in gguf_q5[:5]:
-        got = kernels.q5_quantize(torch.from_numpy(w))
-        assert all(torch.equal(a, b) for a, b in zip(got, kernels.q5_pack(*raw_q5(raw)))), name
+        q, d, inexact = kernels.q5_quantize(torch.from_numpy(w))
+        want = kernels.q5_pack(*raw_q5(raw))
+        assert torch.equal(q, want[0]) and torch.equal(d, want[1]) and inexact == 0, name

@@ -73,7 +73,7 @@ _SIGNATURES = {
     "kvs_q8_quantize": (None, [_VP, _I64, _INT, _VP, _VP, _INT]),
     "kvs_q5_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT]),
     "kvs_q5_pack": (None, [_VP, _VP, _I64, _INT, _VP, _VP, _INT]),
-    "kvs_q5_quantize": (None, [_VP, _I64, _INT, _VP, _VP, _INT]),
+    "kvs_q5_quantize": (_I64, [_VP, _I64, _INT, _VP, _VP, _INT]),
 }
 
 
@@ -240,16 +240,17 @@ class CpuKernels:
                              qp.data_ptr(), dp.data_ptr(), torch.get_num_threads())
         return qp, dp
 
-    def q5_quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def q5_quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """A float weight [N, K] rounded to Q5_0 blocks (as kernels/q5.py's q5_blocks does)
-        and laid out as q5_pack lays them, in one pass."""
+        and laid out as q5_pack lays them, in one pass; with the number of weights the
+        blocks do not hold exactly (0: w was Q5_0 already, as a GGUF's Q5_0 tensors are)."""
         N, K = w.shape
         if K % 32:
             raise ValueError("q5_quantize: w [N, K], K a multiple of 32")
         qp, dp = self._q5_empty(N, K)
-        self.lib.kvs_q5_quantize(_ptr(w, torch.float32), N, K, qp.data_ptr(), dp.data_ptr(),
-                                 torch.get_num_threads())
-        return qp, dp
+        inexact = self.lib.kvs_q5_quantize(_ptr(w, torch.float32), N, K, qp.data_ptr(),
+                                           dp.data_ptr(), torch.get_num_threads())
+        return qp, dp, inexact
 
     def q5_matmul(self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 (unit stride in K, any M >= 0) @ W.T for W in Q5_0 blocks packed

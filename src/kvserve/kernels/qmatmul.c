@@ -444,21 +444,27 @@ static float q5_round(const float *w, uint8_t *codes) {
 }
 
 /* Float rows w [N][K] (K a multiple of 32) to Q5_0 blocks straight in kvs_q5_pack's layout,
- * by models/q5.py's q5_blocks rule (llama.cpp's), scales rounded to fp16: one pass on every
- * core, for weights (the LM head) that the file ships in another type. */
-void kvs_q5_quantize(const float *w, int64_t N, int K, uint8_t *qp, uint16_t *dp,
-                     int threads) {
+ * by kernels/q5.py's q5_blocks rule (llama.cpp's), scales rounded to fp16: one pass on every
+ * core. Returns how many weights the blocks do not hold exactly: 0 for a GGUF's own Q5_0
+ * tensors (and fusions of them), which is how the caller knows it rounded nothing. */
+int64_t kvs_q5_quantize(const float *w, int64_t N, int K, uint8_t *qp, uint16_t *dp,
+                        int threads) {
     const int Kp = (K + GROUP - 1) / GROUP * GROUP, nb = K / 32;
     const int64_t stride = row_bytes(Q5, Kp);
-#pragma omp parallel for num_threads(threads) schedule(static)
+    int64_t inexact = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : inexact)
     for (int64_t n = 0; n < N; n++) {
         memset(qp + n * stride, 0, stride);
         for (int b = 0; b < Kp / 32; b++) {
             uint8_t *group = qp + n * stride + row_bytes(Q5, b / 4 * GROUP), codes[32];
             memset(codes, 16, sizeof codes); /* padding blocks: zeros */
             const float d = b < nb ? q5_round(w + n * K + 32 * b, codes) : 0.f;
+            const uint16_t h = float_to_half(d);
             for (int j = 0; j < 32; j++) q5_put(group, group_pos(b % 4, j), codes[j]);
-            dp[n * (Kp / 32) + b] = float_to_half(d);
+            for (int j = 0; b < nb && j < 32; j++)
+                inexact += half_to_float(h) * (float)(codes[j] - 16) != w[n * K + 32 * b + j];
+            dp[n * (Kp / 32) + b] = h;
         }
     }
+    return inexact;
 }
