@@ -15,7 +15,9 @@ re-quantized from the GGUF's dequantized values.
   weights; the file's own Q8_0 tensors, such as Gemma 3's tied embedding, come back
   exactly) read by kernels/qmatmul.c at every step size, activations rounded to int16
   blocks. 1.125 bytes a weight, one copy; top-1 agreement with the float32 model 98.8%,
-  perplexity 8.051 -> 8.056 (whole texts through the batched kernel).
+  perplexity 8.051 -> 8.056 (whole texts through the batched kernel). A weight the file
+  ships as Q5_0 (Gemma 3 270M Q4_K_M: q/k/v, gate, up) keeps its own Q5_0 blocks instead
+  (Q5Linear, 0.6875 bytes a weight, no rounding at all).
 - q8+bf16 (the default where bf16 runs natively, for a bf16 model): the q8 copy for steps
   of up to 16 rows, and a oneDNN-packed bf16 copy (every weight rounded to bf16, activations
   too) for larger ones, where oneDNN's native bf16 dot products beat our int16 kernel.
@@ -143,6 +145,39 @@ class Q8Linear:
         return self.q.numel() + self.d.numel() * 4
 
 
+class Q5Linear:
+    """x @ weight.T with the weight in Q5_0 blocks (0.6875 bytes a weight: 5-bit codes, one
+    fp16 scale a block of 32), read by our kernel (qmatmul.c) the way Q8_0 is. A decode step
+    reads each weight once, so a GGUF's own Q5_0 tensors (Gemma 3 270M Q4_K_M: q/k/v,
+    gate and up) read 0.61x Q8_0's bytes, with no rounding: `exact` gives them back as
+    the file had them, and None for a weight that is not Q5_0 already."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        kernels = cpu_kernels()
+        if kernels is None:
+            raise RuntimeError("q5 needs kvserve's C kernels, which did not build here")
+        self.kernels = kernels
+        self.q, self.d, self.inexact = kernels.q5_quantize(weight.detach().float().contiguous())
+        self.out_features, self.in_features = weight.shape
+
+    @classmethod
+    def exact(cls, weight: torch.Tensor) -> Q5Linear | None:
+        """The weight as Q5_0 if its blocks hold every value exactly (a GGUF's Q5_0 tensors
+        dequantized, alone or fused): one pass, which the q8 fallback's pass follows."""
+        if cpu_kernels() is None or weight.shape[1] % 32:
+            return None
+        linear = cls(weight)
+        return None if linear.inexact else linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        y = self.kernels.q5_matmul(rows, self.q, self.d).view(*x.shape[:-1], self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def nbytes(self) -> int:
+        return self.q.numel() + self.d.numel() * 2
+
+
 class Int8Linear:
     """x @ weight.T with the weight as int8, one symmetric scale per output row.
 
@@ -186,8 +221,8 @@ class Q8Bf16Linear:
 
     SMALL = 16
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.q8 = Q8Linear(weight)
+    def __init__(self, weight: torch.Tensor, small: Q5Linear | None = None) -> None:
+        self.q8 = small or Q8Linear(weight)  # the few-row copy: a Q5_0 weight's own blocks
         self.packed = pack_weight(weight.detach().bfloat16())
         self.out_features, self.in_features = weight.shape
 
@@ -202,13 +237,20 @@ class Q8Bf16Linear:
         return self.q8.nbytes() + self.out_features * self.in_features * 2
 
 
-QuantLinear = Fp16Linear | Q8Linear | Q8Bf16Linear | Int8Linear
+QuantLinear = Fp16Linear | Q8Linear | Q5Linear | Q8Bf16Linear | Int8Linear
 _KINDS: dict[str, type[QuantLinear]] = {"fp16": Fp16Linear, "q8": Q8Linear,
                                         "q8+bf16": Q8Bf16Linear, "int8": Int8Linear}
 
 
 def quantized(weight: torch.Tensor, mode: str) -> QuantLinear:
-    """The packed copy of a [out, in] weight for a mode other than none."""
+    """The packed copy of a [out, in] weight for a mode other than none. q8 and q8+bf16 keep
+    a weight that is Q5_0 already (a GGUF's Q5_0 tensors) in its own blocks: no rounding,
+    0.61x Q8_0's bytes at decode, and as fast as Q8_0 from 16 rows (benchmarks/
+    cpu_linears.py), so q8 serves it so at every step size and q8+bf16 below its bf16 copy."""
+    if mode in ("q8", "q8+bf16"):
+        q5 = Q5Linear.exact(weight)
+        if q5 is not None:
+            return q5 if mode == "q8" else Q8Bf16Linear(weight, q5)
     return _KINDS[mode](weight)
 
 
