@@ -78,10 +78,19 @@ static inline uint16_t float_to_half(float f) {
 
 /* A Q5_0 group holds code p (of the 128 in group_pos order) in byte p % 64's low nibble
  * (p < 64) or high nibble (p >= 64), and its fifth bit as bit p of bytes 64-79: one load of
- * bytes b.. gives the codes of positions b.. and 64 + b.. alike (q5_decode). */
-static inline void q5_put(uint8_t *group, int p, int code) {
-    group[p % 64] |= (uint8_t)((code & 15) << (p < 64 ? 0 : 4));
-    group[64 + p / 8] |= (uint8_t)((code >> 4) << (p % 8));
+ * bytes b.. gives the codes of positions b.. and 64 + b.. alike (q5_decode). codes: a
+ * group's 4 blocks of 32 in their own order, put in group_pos order first (as pairs, as
+ * quantize_x16 does) so that the packing loops vectorise. */
+static void q5_pack_group(const uint8_t codes[GROUP], uint8_t *group) {
+    uint8_t p[GROUP];
+    for (int k = 0; k < 4; k++)
+        for (int j = 0; j < 32; j += 2) memcpy(p + group_pos(k, j), codes + 32 * k + j, 2);
+    for (int i = 0; i < 64; i++) group[i] = (uint8_t)((p[i] & 15) | p[64 + i] << 4);
+    for (int i = 0; i < 16; i++) {
+        uint8_t bits = 0;
+        for (int j = 0; j < 8; j++) bits |= (uint8_t)((p[8 * i + j] >> 4) << j);
+        group[64 + i] = bits;
+    }
 }
 static inline int q5_get(const uint8_t *group, int p) {
     const int low = group[p % 64] >> (p < 64 ? 0 : 4) & 15;
@@ -402,45 +411,49 @@ void kvs_q8_quantize(const float *w, int64_t N, int K, int8_t *qp, float *dp, in
 
 /* Q5_0 blocks (codes 0-31 as bytes [N][K], W = d * (code - 16); d fp16 [N][K/32], K a
  * multiple of 32) in the layout kvs_q5_matmul reads: rows padded with zero blocks to Kp = K
- * rounded up to 128, each group of 4 blocks in group_pos order, packed by q5_put (qp
- * [N][Kp / 128 * 80], dp [N][Kp/32]). */
+ * rounded up to 128, each group of 4 blocks packed by q5_pack_group (qp [N][Kp / 128 * 80],
+ * dp [N][Kp/32]). */
 void kvs_q5_pack(const uint8_t *codes, const uint16_t *d, int64_t N, int K, uint8_t *qp,
                  uint16_t *dp, int threads) {
     const int Kp = (K + GROUP - 1) / GROUP * GROUP, nb = K / 32;
-    const int64_t stride = row_bytes(Q5, Kp);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        memset(qp + n * stride, 0, stride);
-        for (int b = 0; b < Kp / 32; b++) {
-            uint8_t *group = qp + n * stride + row_bytes(Q5, b / 4 * GROUP);
-            for (int j = 0; j < 32; j++)
-                q5_put(group, group_pos(b % 4, j), b < nb ? codes[n * K + 32 * b + j] : 16);
-            dp[n * (Kp / 32) + b] = b < nb ? d[n * nb + b] : 0;
+        for (int g = 0; g < Kp; g += GROUP) {
+            uint8_t group[GROUP];
+            memset(group, 16, sizeof group); /* padding blocks: zeros */
+            memcpy(group, codes + n * K + g, (K - g < GROUP ? K - g : GROUP));
+            q5_pack_group(group, qp + n * row_bytes(Q5, Kp) + row_bytes(Q5, g));
         }
+        for (int b = 0; b < Kp / 32; b++) dp[n * (Kp / 32) + b] = b < nb ? d[n * nb + b] : 0;
     }
 }
 
 /* One block of 32 floats to Q5_0 codes by llama.cpp's quantize_row_q5_0_ref: d = the value
  * of largest magnitude (the first, on ties) / -16, code = (int)(w / d + 16.5) capped at 31,
  * with w / d as w * (1 / d) in float32. Returns d. GCC would otherwise fuse the multiply
- * and add into one rounding, which moves codes exactly at .5 off models/q5.py's. */
+ * and add into one rounding, which moves codes exactly at .5 off kernels/q5.py's. */
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
 static float q5_round(const float *w, uint8_t *codes) {
-    float amax = 0.f, max = 0.f;
-    for (int j = 0; j < 32; j++)
-        if (fabsf(w[j]) > amax) {
-            amax = fabsf(w[j]);
-            max = w[j];
-        }
-    const float d = max / -16.f, id = d != 0.f ? 1.f / d : 0.f;
+    float amax = 0.f;
+    for (int j = 0; j < 32; j++) amax = fabsf(w[j]) > amax ? fabsf(w[j]) : amax;
+    int first = 0; /* the value itself, for its sign: the first of that magnitude */
+    while (first < 31 && fabsf(w[first]) != amax) first++;
+    const float d = w[first] / -16.f, id = d != 0.f ? 1.f / d : 0.f;
     for (int j = 0; j < 32; j++) {
         const float t = w[j] * id;
         const int code = (int)(t + 16.5f);
         codes[j] = (uint8_t)(code < 31 ? code : 31);
     }
     return d;
+}
+
+/* How many of a block's 32 weights d * (code - 16) does not give back exactly. */
+static int q5_misses(const float *w, const uint8_t *codes, float d) {
+    int misses = 0;
+    for (int j = 0; j < 32; j++) misses += d * (float)(codes[j] - 16) != w[j];
+    return misses;
 }
 
 /* Float rows w [N][K] (K a multiple of 32) to Q5_0 blocks straight in kvs_q5_pack's layout,
@@ -450,20 +463,20 @@ static float q5_round(const float *w, uint8_t *codes) {
 int64_t kvs_q5_quantize(const float *w, int64_t N, int K, uint8_t *qp, uint16_t *dp,
                         int threads) {
     const int Kp = (K + GROUP - 1) / GROUP * GROUP, nb = K / 32;
-    const int64_t stride = row_bytes(Q5, Kp);
     int64_t inexact = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : inexact)
     for (int64_t n = 0; n < N; n++) {
-        memset(qp + n * stride, 0, stride);
-        for (int b = 0; b < Kp / 32; b++) {
-            uint8_t *group = qp + n * stride + row_bytes(Q5, b / 4 * GROUP), codes[32];
+        for (int g = 0; g < Kp; g += GROUP) {
+            uint8_t codes[GROUP];
             memset(codes, 16, sizeof codes); /* padding blocks: zeros */
-            const float d = b < nb ? q5_round(w + n * K + 32 * b, codes) : 0.f;
-            const uint16_t h = float_to_half(d);
-            for (int j = 0; j < 32; j++) q5_put(group, group_pos(b % 4, j), codes[j]);
-            for (int j = 0; b < nb && j < 32; j++)
-                inexact += half_to_float(h) * (float)(codes[j] - 16) != w[n * K + 32 * b + j];
-            dp[n * (Kp / 32) + b] = h;
+            for (int b = g / 32; b < g / 32 + 4; b++) {
+                const float *wb = w + n * K + 32 * b;
+                uint8_t *cb = codes + 32 * (b % 4);
+                const uint16_t h = float_to_half(b < nb ? q5_round(wb, cb) : 0.f);
+                if (b < nb) inexact += q5_misses(wb, cb, half_to_float(h));
+                dp[n * (Kp / 32) + b] = h;
+            }
+            q5_pack_group(codes, qp + n * row_bytes(Q5, Kp) + row_bytes(Q5, g));
         }
     }
     return inexact;

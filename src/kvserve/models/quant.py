@@ -163,8 +163,9 @@ class Q5Linear:
     @classmethod
     def exact(cls, weight: torch.Tensor) -> Q5Linear | None:
         """The weight as Q5_0 if its blocks hold every value exactly (a GGUF's Q5_0 tensors
-        dequantized, alone or fused): one pass, which the q8 fallback's pass follows."""
-        if cpu_kernels() is None or weight.shape[1] % 32:
+        dequantized, alone or fused), else None. A first row tried alone turns most others
+        (the 262k-row head) away without a pass over the whole weight."""
+        if cpu_kernels() is None or weight.shape[1] % 32 or cls(weight[:1]).inexact:
             return None
         linear = cls(weight)
         return None if linear.inexact else linear
