@@ -17,7 +17,7 @@ re-quantized from the GGUF's dequantized values.
   blocks. 1.125 bytes a weight, one copy; top-1 agreement with the float32 model 98.8%,
   perplexity 8.051 -> 8.056 (whole texts through the batched kernel). A weight the file
   ships as Q5_0 (Gemma 3 270M Q4_K_M: q/k/v, gate, up) keeps its own Q5_0 blocks instead
-  (Q5Linear, 0.6875 bytes a weight, no rounding at all).
+  where the CPU has AVX-512BW (Q5Linear, 0.6875 bytes a weight, no rounding at all).
 - q8+bf16 (the default where bf16 runs natively, for a bf16 model): the q8 copy for steps
   of up to 16 rows, and a oneDNN-packed bf16 copy (every weight rounded to bf16, activations
   too) for larger ones, where oneDNN's native bf16 dot products beat our int16 kernel.
@@ -164,8 +164,12 @@ class Q5Linear:
     def exact(cls, weight: torch.Tensor) -> Q5Linear | None:
         """The weight as Q5_0 if its blocks hold every value exactly (a GGUF's Q5_0 tensors
         dequantized, alone or fused), else None. A first row tried alone turns most others
-        (the 262k-row head) away without a pass over the whole weight."""
-        if cpu_kernels() is None or weight.shape[1] % 32 or cls(weight[:1]).inexact:
+        (the 262k-row head) away without a pass over the whole weight. Only where the CPU
+        has AVX-512BW: its masked subtract expands the codes in one instruction a step, and
+        Q5_0 then runs as fast as Q8_0 at 16-512 rows; AVX2 spends ~7 instructions a step on
+        the fifth bits and lost 15-35% to Q8_0 from 4 rows (1 thread, weights from DRAM)."""
+        if (cpu_kernels() is None or "avx512bw" not in cpu_flags() or weight.shape[1] % 32
+                or cls(weight[:1]).inexact):
             return None
         linear = cls(weight)
         return None if linear.inexact else linear
@@ -245,9 +249,10 @@ _KINDS: dict[str, type[QuantLinear]] = {"fp16": Fp16Linear, "q8": Q8Linear,
 
 def quantized(weight: torch.Tensor, mode: str) -> QuantLinear:
     """The packed copy of a [out, in] weight for a mode other than none. q8 and q8+bf16 keep
-    a weight that is Q5_0 already (a GGUF's Q5_0 tensors) in its own blocks: no rounding,
-    0.61x Q8_0's bytes at decode, and as fast as Q8_0 from 16 rows (benchmarks/
-    cpu_linears.py), so q8 serves it so at every step size and q8+bf16 below its bf16 copy."""
+    a weight that is Q5_0 already (a GGUF's Q5_0 tensors) in its own blocks on AVX-512BW
+    CPUs: no rounding, 0.61x Q8_0's bytes at decode, and as fast as Q8_0 from 16 rows
+    (benchmarks/cpu_linears.py), so q8 serves it so at every step size and q8+bf16 below
+    its bf16 copy."""
     if mode in ("q8", "q8+bf16"):
         q5 = Q5Linear.exact(weight)
         if q5 is not None:
