@@ -166,8 +166,9 @@ class Q5Linear:
         dequantized, alone or fused), else None. A first row tried alone turns most others
         (the 262k-row head) away without a pass over the whole weight. Only where the CPU
         has AVX-512BW: its masked subtract expands the codes in one instruction a step, and
-        Q5_0 then runs as fast as Q8_0 at 16-512 rows; AVX2 spends ~7 instructions a step on
-        the fifth bits and lost 15-35% to Q8_0 from 4 rows (1 thread, weights from DRAM)."""
+        Q5_0 then runs 1.1-1.3x Q8_0 at 1-8 rows and within 2-7% of it at 32-512; AVX2
+        spends ~7 instructions a step on the fifth bits and lost 15-35% to Q8_0 from 4 rows
+        (1 thread, weights from DRAM; docs/benchmarks.md)."""
         if (cpu_kernels() is None or "avx512bw" not in cpu_flags() or weight.shape[1] % 32
                 or cls(weight[:1]).inexact):
             return None
@@ -250,9 +251,9 @@ _KINDS: dict[str, type[QuantLinear]] = {"fp16": Fp16Linear, "q8": Q8Linear,
 def quantized(weight: torch.Tensor, mode: str) -> QuantLinear:
     """The packed copy of a [out, in] weight for a mode other than none. q8 and q8+bf16 keep
     a weight that is Q5_0 already (a GGUF's Q5_0 tensors) in its own blocks on AVX-512BW
-    CPUs: no rounding, 0.61x Q8_0's bytes at decode, and as fast as Q8_0 from 16 rows
-    (benchmarks/cpu_linears.py), so q8 serves it so at every step size and q8+bf16 below
-    its bf16 copy."""
+    CPUs: no rounding, 0.61x Q8_0's bytes at decode, and within 2-7% of Q8_0's speed at
+    32-512 rows (benchmarks/cpu_linears.py --cold), so q8 serves it so at every step size
+    (one copy) and q8+bf16 below its bf16 copy."""
     if mode in ("q8", "q8+bf16"):
         q5 = Q5Linear.exact(weight)
         if q5 is not None:
