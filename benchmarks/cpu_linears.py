@@ -1,9 +1,11 @@
 """Every CPU matmul candidate for Gemma 3 270M's linear shapes, as ratios to float32 F.linear.
 
     python benchmarks/cpu_linears.py [--repeat 20] [--tokens 1,8,32,128,512] [--only q8,...]
+        [--cold 96]
 
 Candidates: float32 F.linear; bf16 F.linear (oneDNN, native only with AVX-512 BF16/AMX);
-fbgemm fp16 and dynamic int8 (what --quantization fp16/int8 run); our Q8_0 kernel (q8);
+fbgemm fp16 and dynamic int8 (what --quantization fp16/int8 run); our Q8_0 and Q5_0 kernels
+(q8, q5: what q8 serves a GGUF's Q5_0 tensors with);
 torch's weight-only `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (group 32).
 Prints ms per call (best of --rounds, candidates interleaved so that a busy machine slows
 them alike) with the ratio to float32 and to fbgemm fp16, and the CPU it ran on.
@@ -12,13 +14,14 @@ them alike) with the ratio to float32 and to fbgemm fp16, and the CPU it ran on.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 import warnings
 
 import torch
 
 from kvserve.cpu_features import summary
-from kvserve.models.quant import quantized
+from kvserve.models.quant import Q5Linear, quantized
 
 SHAPES = {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048),
           "head": (262144, 640)}
@@ -43,19 +46,40 @@ def int4_linear(w: torch.Tensor, group: int = 32):
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, group, sz)
 
 
-def candidates(w: torch.Tensor) -> dict:
+def int8pack_linear(w: torch.Tensor):
     scale = w.abs().amax(1) / 127
     w8 = (w / scale[:, None]).round().to(torch.int8)
+    return lambda x: torch.ops.aten._weight_int8pack_mm(x, w8, scale)
+
+
+def bf16_linear(w: torch.Tensor):
     wb = w.bfloat16()
-    return {
-        "f32": lambda x: torch.nn.functional.linear(x, w),
-        "bf16": lambda x: torch.nn.functional.linear(x.bfloat16(), wb),
-        "fbgemm fp16": quantized(w, "fp16"),
-        "fbgemm int8": quantized(w, "int8"),
-        "q8": quantized(w, "q8"),
-        "int8pack_mm": lambda x: torch.ops.aten._weight_int8pack_mm(x, w8, scale),
-        "int4pack_mm": int4_linear(w),
-    }
+    return lambda x: torch.nn.functional.linear(x.bfloat16(), wb)
+
+
+# name: a function of the float weight giving the candidate's x -> x @ w.T
+MAKERS = {
+    "f32": lambda w: lambda x: torch.nn.functional.linear(x, w),
+    "bf16": bf16_linear,
+    "fbgemm fp16": lambda w: quantized(w, "fp16"),
+    "fbgemm int8": lambda w: quantized(w, "int8"),
+    "q8": lambda w: quantized(w, "q8"),
+    "q5": Q5Linear,  # re-quantized: the random weights are not Q5_0 already
+    "int8pack_mm": int8pack_linear,
+    "int4pack_mm": int4_linear,
+}
+
+
+def candidates(w: torch.Tensor, names: list[str], copies: int = 1) -> dict:
+    """Each named candidate; with copies > 1, each call takes the next of that many copies
+    of the weight, so that the weights come from DRAM as in a decode step of the whole model
+    (every layer's weights together are far more than the L3)."""
+    fns = {}
+    for name in names:
+        made = [MAKERS[name](w.clone() if copies > 1 else w) for _ in range(copies)]
+        turn = itertools.cycle(made)
+        fns[name] = made[0] if copies == 1 else lambda x, turn=turn: next(turn)(x)
+    return fns
 
 
 def main() -> None:
@@ -66,6 +90,9 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated candidates (default: all)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--threads", type=int, default=0, help="torch/OpenMP threads (0: as is)")
+    ap.add_argument("--cold", type=int, default=0, metavar="MWEIGHTS",
+                    help="cycle through copies of each weight, this many million weights in "
+                         "all (e.g. 96: past a 32 MiB L3 even at Q5_0), so they come from DRAM")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,12 +100,12 @@ def main() -> None:
     torch.manual_seed(0)
     only = set(filter(None, args.only.split(","))) | {"f32", "fbgemm fp16"}
     print(f"cpu: {summary()}")
-    names = [c for c in candidates(torch.zeros(64, 64)) if not args.only or c in only]
+    names = [c for c in MAKERS if not args.only or c in only]
     print("| shape | tokens | " + " | ".join(names) + " |")
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         w = torch.randn(n, k) * 0.05
-        fns = {c: f for c, f in candidates(w).items() if c in names}
+        fns = candidates(w, names, max(1, -(-args.cold * 2**20 // (n * k))))
         for m in map(int, args.tokens.split(",")):
             x = torch.randn(m, k)
             rep = max(2, args.repeat // (20 if name == "head" else 1) // max(1, m // 32))

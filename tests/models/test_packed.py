@@ -15,8 +15,10 @@ from safetensors.torch import save_file
 
 from kvserve.cpu_features import bf16_native
 from kvserve.kernels.cpu import CpuKernels, cpu_kernels
+from kvserve.kernels.q5 import q5_blocks, q5_dequantize
 from kvserve.models import Gemma3Config, Gemma3ForCausalLM, loader, packed
 from kvserve.models.attention_ref import sequence_logits
+from kvserve.models.quant import serves_q5
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="q8 needs the C kernels")
 MODES = [("q8", torch.float32)] + (
@@ -35,7 +37,11 @@ def _tiny_state() -> tuple[Gemma3Config, dict[str, torch.Tensor]]:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.5)
-    return config, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for k in state:  # Q5_0 already, as a GGUF's: served (and saved) as Q5_0 blocks
+        if k.endswith(("gate_proj.weight", "up_proj.weight")):
+            state[k] = q5_dequantize(*q5_blocks(state[k]))
+    return config, state
 
 
 @pytest.fixture
@@ -83,6 +89,10 @@ def test_a_warm_start_serves_bit_identically_to_quantizing(entry, mode, dtype,
     warm = _warm(entry, mode, dtype, monkeypatch)
     assert warm.quantization == mode and warm.dtype == dtype
     assert warm.model.layers[0].mlp.down_proj.weight.is_meta  # no float copy
+    small = [getattr(m.quant, "q8", m.quant) for m in (warm.model.layers[0].mlp.gate_up_proj,
+                                                         warm.model.layers[0].mlp.down_proj)]
+    assert [type(s).__name__ for s in small] == [
+        "Q5Linear" if serves_q5() else "Q8Linear", "Q8Linear"]
     for got in (_logits(cold), _logits(warm)):
         for g, w in zip(got, want):
             assert torch.equal(g, w)

@@ -7,11 +7,19 @@ import pytest
 import torch
 from hf_reference import KvModel, ledger_text
 
-from kvserve.cpu_features import bf16_native
+from kvserve.cpu_features import bf16_native, cpu_flags
 from kvserve.kernels.cpu import cpu_kernels
+from kvserve.kernels.q5 import q5_blocks, q5_dequantize
 from kvserve.models import Gemma3ForCausalLM
 from kvserve.models.attention_ref import sequence_logits
-from kvserve.models.quant import fbgemm_available, quantized, resolve_quantization
+from kvserve.models.quant import (
+    Q5Linear,
+    Q8Bf16Linear,
+    Q8Linear,
+    fbgemm_available,
+    quantized,
+    resolve_quantization,
+)
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(),
                                 reason="fbgemm needs an x86 CPU with AVX2")
@@ -44,6 +52,26 @@ def test_a_step_that_samples_nothing_runs_the_head_on_zero_rows(kind: str) -> No
     """A prefill chunk that does not finish its prompt gives the LM head no rows."""
     w = torch.randn(300, 640) * 0.05
     assert quantized(w, kind)(torch.randn(0, 640)).shape == (0, 300)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="q8 needs the C kernels")
+def test_q8_serves_a_q5_0_weight_in_its_own_blocks() -> None:
+    """A weight on a Q5_0 grid (a GGUF's Q5_0 tensor, dequantized) is read as Q5_0, with
+    nothing rounded again, where the CPU has AVX-512BW; any other as Q8_0."""
+    torch.manual_seed(0)
+    w5 = q5_dequantize(*q5_blocks(torch.randn(300, 640) * 0.05))
+    x = torch.randn(3, 640)
+    q5 = quantized(w5, "q8")
+    if "avx512bw" not in cpu_flags():
+        assert isinstance(q5, Q8Linear)
+        return
+    assert isinstance(q5, Q5Linear) and q5.nbytes() == 300 * 640 * 11 // 16
+    assert rel_err(q5(x), x @ w5.T) < 1e-4  # only the int16 rounding of x
+    assert isinstance(quantized(torch.randn(300, 640), "q8"), Q8Linear)
+    if bf16_native():
+        hybrid = quantized(w5, "q8+bf16")
+        assert isinstance(hybrid, Q8Bf16Linear) and isinstance(hybrid.q8, Q5Linear)
+        assert torch.equal(hybrid(x), q5(x))
 
 
 def test_auto_keeps_what_the_file_ships_without_losing_quality() -> None:

@@ -71,6 +71,9 @@ _SIGNATURES = {
     "kvs_q8_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT]),
     "kvs_q8_pack": (None, [_VP, _VP, _I64, _INT, _VP, _VP, _INT]),
     "kvs_q8_quantize": (None, [_VP, _I64, _INT, _VP, _VP, _INT]),
+    "kvs_q5_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT]),
+    "kvs_q5_pack": (None, [_VP, _VP, _I64, _INT, _VP, _VP, _INT]),
+    "kvs_q5_quantize": (_I64, [_VP, _I64, _INT, _VP, _VP, _INT]),
 }
 
 
@@ -219,6 +222,55 @@ class CpuKernels:
                                     x.stride(0), M, N, K, y.data_ptr(), torch.get_num_threads())
         if rc:
             raise MemoryError("q8_matmul: no scratch memory")
+        return y
+
+    Q5_GROUP_BYTES = 80  # a packed Q5_0 group of 128 weights: 64 nibble bytes + 16 of bits
+
+    def _q5_empty(self, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+        groups = -(-K // self.Q8_GROUP)
+        return (torch.empty((N, groups * self.Q5_GROUP_BYTES), dtype=torch.uint8),
+                torch.empty((N, groups * 4), dtype=torch.float16))
+
+    def q5_pack(self, codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q5_0 blocks (codes uint8 0-31 [N, K], W = d * (code - 16); d float16 [N, K / 32])
+        in q5_matmul's layout: q8_pack's order, each group of 128 codes as 64 bytes of
+        nibbles and 16 of fifth bits (qmatmul.c, kvs_q5_pack); scales stay fp16."""
+        N, K = codes.shape
+        if K % 32 or d.shape != (N, K // 32):
+            raise ValueError("q5_pack: codes uint8 [N, K], d float16 [N, K/32], K a multiple "
+                             "of 32")
+        qp, dp = self._q5_empty(N, K)
+        self.lib.kvs_q5_pack(_ptr(codes, torch.uint8), _ptr(d, torch.float16), N, K,
+                             qp.data_ptr(), dp.data_ptr(), torch.get_num_threads())
+        return qp, dp
+
+    def q5_quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A float weight [N, K] rounded to Q5_0 blocks (as kernels/q5.py's q5_blocks does)
+        and laid out as q5_pack lays them, in one pass; with the number of weights the
+        blocks do not hold exactly (0: w was Q5_0 already, as a GGUF's Q5_0 tensors are)."""
+        N, K = w.shape
+        if K % 32:
+            raise ValueError("q5_quantize: w [N, K], K a multiple of 32")
+        qp, dp = self._q5_empty(N, K)
+        inexact = self.lib.kvs_q5_quantize(_ptr(w, torch.float32), N, K, qp.data_ptr(),
+                                           dp.data_ptr(), torch.get_num_threads())
+        return qp, dp, inexact
+
+    def q5_matmul(self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 (unit stride in K, any M >= 0) @ W.T for W in Q5_0 blocks packed
+        by q5_pack or q5_quantize -> [M, N]."""
+        M, K = x.shape
+        N = q.shape[0]
+        groups = -(-K // self.Q8_GROUP)
+        if (x.dtype != torch.float32 or x.stride(-1) != 1 or K % 32
+                or q.shape != (N, groups * self.Q5_GROUP_BYTES) or d.shape != (N, groups * 4)):
+            raise ValueError("q5_matmul: x float32 [M, K], K a multiple of 32, and q, d "
+                             "from q5_pack for that K")
+        y = torch.empty((M, N), dtype=torch.float32)
+        rc = self.lib.kvs_q5_matmul(_ptr(q, torch.uint8), _ptr(d, torch.float16), x.data_ptr(),
+                                    x.stride(0), M, N, K, y.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise MemoryError("q5_matmul: no scratch memory")
         return y
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

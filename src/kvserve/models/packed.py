@@ -27,8 +27,9 @@ import struct
 import tempfile
 import warnings
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from contextlib import suppress
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,16 +39,16 @@ from safetensors.torch import load_file, save_file
 from kvserve.kernels.cpu import CpuKernels
 from kvserve.models.base import CausalLM, ModelConfig, _no_init
 from kvserve.models.layers import Linear
-from kvserve.models.quant import from_packed
+from kvserve.models.quant import from_packed, serves_q5
 
 FORMAT = 1  # bump when what the file holds changes
 MODES = ("q8", "q8+bf16")
 HEAD = "tied_head"  # the key prefix of a tied embedding's packed head
 _CHUNK = 1 << 24  # bytes read at a time while checking the CRC
-_PARTS = ("q", "d", "bf16")  # what a packed layer's packed_state holds
+_PARTS = ("q", "d", "q5", "d5", "bf16")  # what a packed layer's packed_state holds
 
 Spec = tuple[tuple[int, ...], torch.dtype]
-_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I8": torch.int8,
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8,
               "F16": torch.float16, "I64": torch.int64, "I32": torch.int32}
 
 
@@ -84,7 +85,8 @@ def save(model: CausalLM, path: Path, source: Path) -> bool:
         save_file(state, tmp, metadata=meta)
         # safetensors does not report a failed write (a full disk leaves a short file):
         # check the file as a start will before putting it in place.
-        problem = _problem(Path(tmp), _expected(model, model.quantization, model.dtype), meta)
+        problem = _problem(Path(tmp), partial(_expected, model, model.quantization, model.dtype),
+                           meta)
         if problem is not None:
             raise OSError(errno.EIO, f"the written file is {problem}")
         os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is an ordinary user dir
@@ -108,7 +110,8 @@ def load(model_cls: type[CausalLM], config: ModelConfig, path: Path, mode: str,
     with torch.device("meta"), _no_init():
         model = model_cls(config)
     try:
-        problem = _problem(path, _expected(model, mode, dtype), _metadata(mode, dtype, source))
+        problem = _problem(path, partial(_expected, model, mode, dtype),
+                           _metadata(mode, dtype, source))
         tensors = load_file(path) if problem is None else None
     except (OSError, ValueError, KeyError, TypeError, struct.error, SafetensorError) as err:
         problem, tensors = f"unreadable ({err!r})", None
@@ -127,26 +130,41 @@ def _linears(model: CausalLM) -> list[tuple[str, Linear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
 
 
-def _part_specs(mode: str, out_features: int, in_features: int) -> dict[str, Spec]:
-    kp = -(-in_features // CpuKernels.Q8_GROUP) * CpuKernels.Q8_GROUP
-    specs = {"q": ((out_features, kp), torch.int8), "d": ((out_features, kp // 32), torch.float32)}
+def _part_specs(mode: str, out_features: int, in_features: int, q5: bool) -> dict[str, Spec]:
+    groups = -(-in_features // CpuKernels.Q8_GROUP)
+    kp = groups * CpuKernels.Q8_GROUP
+    if q5:  # a weight the file shipped as Q5_0, kept in its own blocks (quant.Q5Linear)
+        specs = {"q5": ((out_features, groups * CpuKernels.Q5_GROUP_BYTES), torch.uint8),
+                 "d5": ((out_features, groups * 4), torch.float16)}
+    else:
+        specs = {"q": ((out_features, kp), torch.int8),
+                 "d": ((out_features, kp // 32), torch.float32)}
     if mode == "q8+bf16":
         specs["bf16"] = ((out_features, in_features), torch.bfloat16)
     return specs
 
 
-def _expected(model: CausalLM, mode: str, dtype: torch.dtype) -> dict[str, Spec]:
-    """Name -> (shape, dtype) of every tensor the packed form of this (meta) model holds."""
+def _q5_owners(names: Iterable[str]) -> set[str]:
+    """The layers whose few-row copy is Q5_0, from the tensor names of a packed form."""
+    return {n.removesuffix(".q5") for n in names if n.endswith(".q5")}
+
+
+def _expected(model: CausalLM, mode: str, dtype: torch.dtype,
+              q5: Container[str]) -> dict[str, Spec]:
+    """Name -> (shape, dtype) of every tensor the packed form of this (meta) model holds,
+    the layers in q5 keeping Q5_0 blocks (which ones is read from the file; whether this
+    CPU serves Q5_0 at all is in its metadata)."""
     linears = _linears(model)
     dropped = {f"{name}.weight" for name, _ in linears}
     out = {k: (tuple(v.shape), dtype if v.is_floating_point() else v.dtype)
            for k, v in model.state_dict().items() if k not in dropped}
     for name, m in linears:
         out.update({f"{name}.{k}": s for k, s in
-                    _part_specs(mode, m.out_features, m.in_features).items()})
+                    _part_specs(mode, m.out_features, m.in_features, name in q5).items()})
     if model.lm_head is None:
         vocab, hidden = model.model.embed_tokens.weight.shape
-        out.update({f"{HEAD}.{k}": s for k, s in _part_specs(mode, vocab, hidden).items()})
+        head = _part_specs(mode, vocab, hidden, HEAD in q5)
+        out.update({f"{HEAD}.{k}": s for k, s in head.items()})
     return out
 
 
@@ -176,11 +194,14 @@ def _adopt(model: CausalLM, tensors: dict[str, torch.Tensor], mode: str) -> Caus
 def _metadata(mode: str, dtype: torch.dtype, source: Path) -> dict[str, str]:
     st = source.stat()
     return {"kvserve_packed": str(FORMAT), "q8_layout": str(CpuKernels.Q8_LAYOUT),
-            "mode": mode, "dtype": str(dtype), "source": f"{st.st_size}:{st.st_mtime_ns}"}
+            "mode": mode, "dtype": str(dtype), "source": f"{st.st_size}:{st.st_mtime_ns}",
+            "q5": str(int(serves_q5()))}
 
 
-def _problem(path: Path, expect: Mapping[str, Spec], meta: Mapping[str, str]) -> str | None:
-    """Why the file at path is not the packed form expected, or None if it is."""
+def _problem(path: Path, expected: Callable[[set[str]], Mapping[str, Spec]],
+             meta: Mapping[str, str]) -> str | None:
+    """Why the file at path is not the packed form expected (`expected` of the layers the
+    file keeps in Q5_0), or None if it is."""
     with open(path, "rb") as fh:
         (size,) = struct.unpack("<Q", fh.read(8))
         if size > 1 << 28:
@@ -191,6 +212,7 @@ def _problem(path: Path, expect: Mapping[str, Spec], meta: Mapping[str, str]) ->
         stale = [k for k, v in meta.items() if got.get(k) != v]
         if stale:
             return f"made for another {', '.join(stale)}"
+        expect = expected(_q5_owners(header))
         if set(header) != set(expect):
             return "holds other tensors than the model has"
         for name, (shape, dtype) in expect.items():

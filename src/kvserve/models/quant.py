@@ -15,7 +15,9 @@ re-quantized from the GGUF's dequantized values.
   weights; the file's own Q8_0 tensors, such as Gemma 3's tied embedding, come back
   exactly) read by kernels/qmatmul.c at every step size, activations rounded to int16
   blocks. 1.125 bytes a weight, one copy; top-1 agreement with the float32 model 98.8%,
-  perplexity 8.051 -> 8.056 (whole texts through the batched kernel).
+  perplexity 8.051 -> 8.056 (whole texts through the batched kernel). A weight the file
+  ships as Q5_0 (Gemma 3 270M Q4_K_M: q/k/v, gate, up) keeps its own Q5_0 blocks instead
+  where the CPU has AVX-512BW (Q5Linear, 0.6875 bytes a weight, no rounding at all).
 - q8+bf16 (the default where bf16 runs natively, for a bf16 model): the q8 copy for steps
   of up to 16 rows, and a oneDNN-packed bf16 copy (every weight rounded to bf16, activations
   too) for larger ones, where oneDNN's native bf16 dot products beat our int16 kernel.
@@ -158,6 +160,61 @@ class Q8Linear:
         return self.q.numel() + self.d.numel() * 4
 
 
+def serves_q5() -> bool:
+    """Whether q8 and q8+bf16 serve a weight that is Q5_0 already in its own blocks here."""
+    return cpu_kernels() is not None and "avx512bw" in cpu_flags()
+
+
+class Q5Linear:
+    """x @ weight.T with the weight in Q5_0 blocks (0.6875 bytes a weight: 5-bit codes, one
+    fp16 scale a block of 32), read by our kernel (qmatmul.c) the way Q8_0 is. A decode step
+    reads each weight once, so a GGUF's own Q5_0 tensors (Gemma 3 270M Q4_K_M: q/k/v,
+    gate and up) read 0.61x Q8_0's bytes, with no rounding: `exact` gives them back as
+    the file had them, and None for a weight that is not Q5_0 already."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        kernels = cpu_kernels()
+        if kernels is None:
+            raise RuntimeError("q5 needs kvserve's C kernels, which did not build here")
+        self.kernels = kernels
+        self.q, self.d, self.inexact = kernels.q5_quantize(weight.detach().float().contiguous())
+        self.out_features, self.in_features = weight.shape
+
+    @classmethod
+    def exact(cls, weight: torch.Tensor) -> Q5Linear | None:
+        """The weight as Q5_0 if its blocks hold every value exactly (a GGUF's Q5_0 tensors
+        dequantized, alone or fused), else None. A first row tried alone turns most others
+        (the 262k-row head) away without a pass over the whole weight. Only where the CPU
+        has AVX-512BW: its masked subtract expands the codes in one instruction a step, and
+        Q5_0 then runs 1.1-1.3x Q8_0 at 1-8 rows and within 2-7% of it at 32-512; AVX2
+        spends ~7 instructions a step on the fifth bits and lost 15-35% to Q8_0 from 4 rows
+        (1 thread, weights from DRAM; docs/benchmarks.md)."""
+        if not serves_q5() or weight.shape[1] % 32 or cls(weight[:1]).inexact:
+            return None
+        linear = cls(weight)
+        return None if linear.inexact else linear
+
+    @classmethod
+    def from_packed(cls, q: torch.Tensor, d: torch.Tensor, in_features: int) -> Q5Linear:
+        """The layer over blocks q5_quantize made before (a saved copy: models/packed.py)."""
+        self = cls.__new__(cls)
+        self.kernels, self.q, self.d, self.inexact = cpu_kernels(), q, d, 0
+        self.out_features, self.in_features = q.shape[0], in_features
+        return self
+
+    def packed_state(self) -> dict[str, torch.Tensor]:
+        """What from_packed takes back (with in_features)."""
+        return {"q5": self.q, "d5": self.d}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        y = self.kernels.q5_matmul(rows, self.q, self.d).view(*x.shape[:-1], self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def nbytes(self) -> int:
+        return self.q.numel() + self.d.numel() * 2
+
+
 class Int8Linear:
     """x @ weight.T with the weight as int8, one symmetric scale per output row.
 
@@ -201,8 +258,8 @@ class Q8Bf16Linear:
 
     SMALL = 16
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.q8 = Q8Linear(weight)
+    def __init__(self, weight: torch.Tensor, small: Q5Linear | None = None) -> None:
+        self.q8: Q8Linear | Q5Linear = small or Q8Linear(weight)  # a Q5_0 weight's own blocks
         self._init_bf16(weight.detach().bfloat16().contiguous())
 
     def _init_bf16(self, bf16: torch.Tensor) -> None:
@@ -214,10 +271,10 @@ class Q8Bf16Linear:
         self.out_features, self.in_features = bf16.shape
 
     @classmethod
-    def from_packed(cls, q: torch.Tensor, d: torch.Tensor, bf16: torch.Tensor) -> Q8Bf16Linear:
-        """The layer over a saved Q8_0 copy and bf16 weight (models/packed.py)."""
+    def from_packed(cls, small: Q8Linear | Q5Linear, bf16: torch.Tensor) -> Q8Bf16Linear:
+        """The layer over a saved few-row copy and bf16 weight (models/packed.py)."""
         self = cls.__new__(cls)
-        self.q8 = Q8Linear.from_packed(q, d, bf16.shape[1])
+        self.q8 = small
         self._init_bf16(bf16)
         return self
 
@@ -251,22 +308,34 @@ class Q8Bf16Linear:
         return self.q8.nbytes() + self.out_features * self.in_features * 2
 
 
-QuantLinear = Fp16Linear | Q8Linear | Q8Bf16Linear | Int8Linear
+QuantLinear = Fp16Linear | Q8Linear | Q5Linear | Q8Bf16Linear | Int8Linear
 _KINDS: dict[str, type[QuantLinear]] = {"fp16": Fp16Linear, "q8": Q8Linear,
                                         "q8+bf16": Q8Bf16Linear, "int8": Int8Linear}
 
 
 def quantized(weight: torch.Tensor, mode: str) -> QuantLinear:
-    """The packed copy of a [out, in] weight for a mode other than none."""
+    """The packed copy of a [out, in] weight for a mode other than none. q8 and q8+bf16 keep
+    a weight that is Q5_0 already (a GGUF's Q5_0 tensors) in its own blocks on AVX-512BW
+    CPUs: no rounding, 0.61x Q8_0's bytes at decode, and within 2-7% of Q8_0's speed at
+    32-512 rows (benchmarks/cpu_linears.py --cold), so q8 serves it so at every step size
+    (one copy) and q8+bf16 below its bf16 copy."""
+    if mode in ("q8", "q8+bf16"):
+        q5 = Q5Linear.exact(weight)
+        if q5 is not None:
+            return q5 if mode == "q8" else Q8Bf16Linear(weight, q5)
     return _KINDS[mode](weight)
 
 
 def from_packed(mode: str, parts: dict[str, torch.Tensor], in_features: int) -> QuantLinear:
     """A q8 or q8+bf16 layer over the parts its packed_state gave."""
+    if "q5" in parts:
+        small: Q8Linear | Q5Linear = Q5Linear.from_packed(parts["q5"], parts["d5"], in_features)
+    else:
+        small = Q8Linear.from_packed(parts["q"], parts["d"], in_features)
     if mode == "q8":
-        return Q8Linear.from_packed(parts["q"], parts["d"], in_features)
+        return small
     if mode == "q8+bf16":
-        return Q8Bf16Linear.from_packed(parts["q"], parts["d"], parts["bf16"])
+        return Q8Bf16Linear.from_packed(small, parts["bf16"])
     raise ValueError(f"no saved form for quantization {mode!r}")
 
 
