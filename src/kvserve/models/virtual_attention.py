@@ -30,9 +30,11 @@ Step protocol (the paper's §5.4 scheduler operations):
 * `__call__` per layer writes the new K/V by slicing and attends.
 * `commit` after the forward *Records* every chunk whose tokens are now all
   computed (prompt and generated tokens alike) in each layer's prefix tree,
-  drops the step's views, and *Extends ahead*: every request of the step gets
-  chunks for its next `ahead_tokens` tokens from free chunks (best effort;
-  taken back first when memory is short), so a decode step finds its memory
+  drops the step's views, *Unmaps* in each sliding layer the chunks wholly
+  before the next step's first key (`unmap_window`), and *Extends ahead*:
+  every request of the step gets chunks for its next `ahead_tokens` tokens
+  from free chunks (best effort; taken back first when memory is short), so
+  a decode step finds its memory
   mapped and `prepare` maps only for prefill. This engine is synchronous, so
   the maps are moved out of the step's start, not overlapped with compute
   as on a GPU; at 64 KiB chunks a map costs 15 us (a chunk kept by a lazy
@@ -67,10 +69,21 @@ as it returns; recomputing keeps the memory core untouched.
 Physical capacity is a ceiling on a sparse memfd, not a reservation: memory
 is taken as chunks are mapped and punched back after `--kv-idle-release-s`.
 The ceiling is `--kv-memory` itself: the memfd is that size, so the process
-never holds more KV than that. Every layer here holds a request's whole
-history (sliding layers keep their full prefix; unmapping what left the
-window is left to do), so the memory core admits against it as if every layer
-were full attention, minus room for chunk rounding (`core_budget`).
+never holds more KV than that.
+
+Sliding layers map only their window. After each step a sliding layer
+unmaps the chunks lying wholly before the next step's first key
+(`first_key(end, window)`; a request's next step starts at its `end`, a
+resumed one is created again), so it keeps about window + one chunk mapped
+per request (Gemma 3 270M, window 512, 32-token chunks: 17 of them, against
+a 4K request's 128). Unmapping drops only the vTensor's references: the
+prefix trees still hold every recorded chunk, so the memory comes back when
+they evict it (memory pressure or idle release). That is deliberate: a later
+request matching this prefix maps the whole history in every layer, and a
+sliding tree that kept only the last window could not be walked from the
+root (and a match it fell short of would recompute the whole gap). For the
+same reason the memory core still admits as if every layer held the full
+history, minus room for chunk rounding (`core_budget`).
 """
 
 from __future__ import annotations
@@ -297,9 +310,25 @@ class VirtualAttention:
                     pool.record(s.request_id, s.tokens[:full * tpc])
                 self.recorded[s.request_id] = full
         self.views, self.plans, self.seqs = [], [], []
+        for s in seqs:  # after the views are dropped: no placeholders needed for them
+            self.unmap_window(s.request_id, s.start + s.num_new)
         if self.ahead_tokens:
             for s in seqs:
                 self._map_ahead(s.request_id, s.start + s.num_new + self.ahead_tokens)
+
+    def unmap_window(self, rid: str, end: int) -> int:
+        """Unmap, in every sliding layer, `rid`'s chunks wholly before the window of a query
+        at `end` (the next step's first); returns the chunks unmapped.
+
+        A chunk is kept while any of its tokens is still visible, so up to
+        window - 1 + one chunk of tokens stay mapped behind `end`.
+        """
+        gone = 0
+        for window, pool in zip(self.windows, self.pools):
+            if window:
+                upto = first_key(end, window) // self.tokens_per_chunk
+                gone += pool.active[rid].unmap_head(upto)
+        return gone
 
     def _map_ahead(self, rid: str, num_tokens: int) -> None:
         """Extend ahead in every layer: map (best effort) the first `num_tokens` tokens of `rid`.
@@ -340,11 +369,13 @@ class VirtualAttention:
         holders: dict[int, int] = {}
         for pool in self.pools:
             for vt in pool.active.values():
-                for c in vt.chunks:
+                for c in vt.mapped_chunks():
                     holders[c] = holders.get(c, 0) + 1
         return {
             "reserved_bytes": sum(s.reserved_bytes for s in per_layer),
             "mapped_bytes": sum(s.mapped_bytes for s in per_layer),
+            "sliding_mapped_bytes": sum(s.mapped_bytes for s, w in zip(per_layer, self.windows)
+                                        if w),
             "referenced_bytes": per_layer[0].referenced_bytes,  # the shared chunk pool's
             "physical_bytes": per_layer[0].physical_bytes,
             "active": per_layer[0].active,
