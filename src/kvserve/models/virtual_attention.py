@@ -34,12 +34,12 @@ Step protocol (the paper's §5.4 scheduler operations):
   before the next step's first key (`unmap_window`), and *Extends ahead*:
   every request of the step gets chunks for its next `ahead_tokens` tokens
   from free chunks (best effort; taken back first when memory is short), so
-  a decode step finds its memory
-  mapped and `prepare` maps only for prefill. This engine is synchronous, so
-  the maps are moved out of the step's start, not overlapped with compute
-  as on a GPU; at 64 KiB chunks a map costs 15 us (a chunk kept by a lazy
-  release) to 60 us (fresh memory), once per request, layer and 32 tokens:
-  ~0.1% of a decode step (docs/benchmarks.md), which is why that is enough.
+  a decode step finds its memory mapped and `prepare` maps only for
+  prefill. This engine is synchronous, so the maps are moved out of the
+  step's start, not overlapped with compute as on a GPU; at 64 KiB chunks a
+  map costs 15 us (a chunk kept by a lazy release) to 60 us (fresh memory),
+  once per request, layer and 32 tokens: ~0.1% of a decode step
+  (docs/benchmarks.md), which is why that is enough.
 * `release` (the engine calls it when a request finishes or aborts) and
   `retain` (each step, with the running requests: a preempted one is
   released) *Release* lazily: chunks stay mapped until memory is needed.
