@@ -659,9 +659,10 @@ class PrefixTree:
         """rPush: record that `chunks[j]` holds the KV of block j of `tokens`.
 
         Blocks already recorded keep their chunk (the first one computed wins).
-        Returns how many nodes were added.
+        A block whose chunk was unmapped (UNMAPPED) and that no node holds ends
+        the walk. Returns how many leading blocks are recorded now.
         """
-        parent, added = ROOT, 0
+        parent, depth = ROOT, 0
         for block, chunk in zip(self._blocks(tokens, len(chunks)), chunks):
             key = (parent, block)
             nid = self.edges.get(key)
@@ -675,11 +676,11 @@ class PrefixTree:
                 self.nodes[nid] = _Node(key, chunk, 0, now)
                 if parent != ROOT:
                     self.nodes[parent].children += 1
-                added += 1
             else:
                 self.nodes[nid].last_use = now
             parent = nid
-        return added
+            depth += 1
+        return depth
 
     def match(self, tokens: Sequence[int], now: float, max_chunks: int | None = None) -> list[int]:
         """rPrefixMatch: the chunks of the longest recorded prefix of `tokens`.
@@ -933,12 +934,12 @@ class VTensorPool:
     def record(self, req: RequestId, tokens: Sequence[int]) -> int:
         """Prefix Record (rPush): `req`'s KV holds `tokens`; returns the tokens recorded.
 
-        Only whole chunks are recorded. The caller vouches that their KV is
-        written: a later match maps them into other requests as they are.
+        Only whole chunks are recorded, and not past a chunk unmapped before it
+        was recorded. The caller vouches that their KV is written: a later
+        match maps them into other requests as they are.
         """
         vt = self.active[req]
-        self.tree.push(tokens, vt.chunks, self.clock())
-        return min(len(tokens) // self.tokens_per_chunk, len(vt.chunks)) * self.tokens_per_chunk
+        return self.tree.push(tokens, vt.chunks, self.clock()) * self.tokens_per_chunk
 
     def release(self, req: RequestId) -> None:
         """Release, lazily: the vTensor stays mapped for reuse until memory is needed."""
