@@ -163,6 +163,7 @@ class VirtualAttention:
                       for _ in self.windows]
         self.tokens_per_chunk = self.pools[0].tokens_per_chunk
         self.ahead_tokens = self.tokens_per_chunk if ahead_tokens is None else ahead_tokens
+        self.window_unmap = True  # sliding layers unmap what left the window (off: to compare)
         self.computed: dict[str, int] = {}  # tokens whose KV is written, per request
         self.recorded: dict[str, int] = {}  # chunks already in the prefix trees
         self.recomputed_tokens = 0  # gap tokens recomputed because a match fell short
@@ -310,8 +311,9 @@ class VirtualAttention:
                     pool.record(s.request_id, s.tokens[:full * tpc])
                 self.recorded[s.request_id] = full
         self.views, self.plans, self.seqs = [], [], []
-        for s in seqs:  # after the views are dropped: no placeholders needed for them
-            self.unmap_window(s.request_id, s.start + s.num_new)
+        if self.window_unmap:
+            for s in seqs:  # after the views are dropped: no placeholders needed for them
+                self.unmap_window(s.request_id, s.start + s.num_new)
         if self.ahead_tokens:
             for s in seqs:
                 self._map_ahead(s.request_id, s.start + s.num_new + self.ahead_tokens)
