@@ -32,8 +32,8 @@ def kv_specs(
     Layers that share a rule and a shape share a spec (Jenga: one page holds a token of
     every layer of its spec, or one sequence's state of every layer of a state spec),
     named after the rule; a second spec of one kind (another window or head size) gets a
-    numbered name. With `full_history` (the vtensor backend, which keeps every layer's
-    whole history) attention layers are accounted as full attention; their bindings keep
+    numbered name. With `full_history` (the vtensor backend, whose prefix trees keep every
+    layer's whole history) attention layers are accounted as full attention; their bindings keep
     their windows, which attention still applies.
     """
     specs: dict[tuple, KVSpec] = {}
