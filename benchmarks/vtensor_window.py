@@ -1,13 +1,14 @@
 """Sliding-window layers under --kv-backend vtensor: mapped bytes and decode time, with and
 without unmapping what left the window.
 
-    python benchmarks/vtensor_window.py [--tokens 1024 4096 8192] [--decode 32]
+    python benchmarks/vtensor_window.py [--tokens 1024 4096 8192] [--decode 32] [--rounds 2]
 
 Gemma 3 270M (window 512 in 15 of its 18 layers), one request per run: a prompt
 of `--tokens` tokens, prefilled in 2048-token steps, then `--decode` decode steps
 timed one by one (the request is still running when they end). Each context is
 run without the unmap (`VirtualAttention.window_unmap = False`: every layer maps
-the whole history, as before) and with it, in that order. Per run it reports:
+the whole history, as before) and with it; `--rounds` repeats that, the order
+flipped each round (other load on the machine drifts). Per run it reports:
 
 * mapped MiB in the sliding and in the full layers, and reserved MiB, read from
   /metrics as the server renders it (`ServerMetrics.render` of the engine's
@@ -89,6 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--decode", type=int, default=32, help="decode steps timed per run")
+    ap.add_argument("--rounds", type=int, default=1, help="repeats, the order flipped each time")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     args = ap.parse_args()
     if args.threads:
@@ -97,15 +99,15 @@ def main() -> None:
     config, state_dict, tokenizer = load_model_files(default_gguf_path())
     model = Gemma3ForCausalLM.from_state_dict(config, state_dict)
     ids = text_ids(tokenizer, max(args.tokens))
-    print("| context | unmap | sliding mapped MiB | full mapped MiB | total mapped MiB "
+    print("| round | context | unmap | sliding mapped MiB | full mapped MiB | total mapped MiB "
           "| reserved MiB | physical MiB | physical after trim MiB | decode median ms "
-          "| decode mean ms |\n|---|---|---|---|---|---|---|---|---|---|")
-    for n in args.tokens:
-        for unmap in (False, True):
+          "| decode mean ms |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for rnd, n in ((rnd, n) for rnd in range(args.rounds) for n in args.tokens):
+        for unmap in (False, True) if rnd % 2 == 0 else (True, False):
             r = run(model, tokenizer, ids[:n], args.decode, unmap)
             sliding, total = r["sliding_mapped_bytes"] / MiB, r["mapped_bytes"] / MiB
-            print(f"| {n} | {'yes' if unmap else 'no'} | {sliding:.1f} | {total - sliding:.1f} "
-                  f"| {total:.1f} | {r['reserved_bytes'] / MiB:.0f} "
+            print(f"| {rnd} | {n} | {'yes' if unmap else 'no'} | {sliding:.1f} "
+                  f"| {total - sliding:.1f} | {total:.1f} | {r['reserved_bytes'] / MiB:.0f} "
                   f"| {r['physical_bytes'] / MiB:.1f} | {r['physical_trimmed'] / MiB:.1f} "
                   f"| {r['median_ms']:.1f} | {r['mean_ms']:.1f} |", flush=True)
 
