@@ -484,6 +484,13 @@ def test_unmap_head_of_everything_then_map_and_reuse():
     pool.extend("a", 4 * TPC)  # maps at slots 2 and 3: positions kept
     assert vt.chunks[2:] != [UNMAPPED, UNMAPPED] and vt.num_mapped == 2
     check_vmas(pool)
+    vt.unmap_head(3)
+    vt.unmap(1)  # below the head: nothing of it is left, the range starts over
+    assert vt.head == 0 and vt.chunks == [] and vt.need == 0
+    check_refs(pool)
+    check_vmas(pool)
+    pool.extend("a", 3 * TPC)
+    vt.unmap_head(1)  # released with a head: a reuse cannot keep its chunks in place
     pool.release("a")
     del view
     assert pool.create("b") == 0 and pool.active["b"] is vt  # reused: starts over at slot 0

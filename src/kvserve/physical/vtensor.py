@@ -510,8 +510,9 @@ class VTensor:
         n = len(self.chunks)
         if keep >= n:
             return
-        head = self.head if keep >= self.head else 0
-        keep = max(keep, head)
+        head = self.head
+        if keep < head:
+            keep = head = 0
         ph_end = max(self.viewed_slots(), self.placeholder_end if self.placeholder_end > n else 0)
         before = self.vmas()
         lo = keep
