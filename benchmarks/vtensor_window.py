@@ -35,7 +35,8 @@ from kvserve.cpu_features import summary
 from kvserve.engine.engine import EngineConfig, LLMEngine
 from kvserve.engine.request import SamplingParams
 from kvserve.models import Gemma3ForCausalLM, default_gguf_path, load_model_files
-from kvserve.server.metrics import EngineSnapshot, ServerMetrics
+from kvserve.server.engine_loop import EngineLoop
+from kvserve.server.metrics import ServerMetrics
 
 MiB = 1 << 20
 GAUGES = ("sliding_mapped_bytes", "mapped_bytes", "reserved_bytes", "physical_bytes")
@@ -51,13 +52,10 @@ def text_ids(tokenizer, tokens: int) -> list[int]:
 
 
 def scrape(engine: LLMEngine) -> dict[str, float]:
-    """The kvserve_vtensor_* gauges as /metrics renders them for this engine now."""
-    e = engine
-    snapshot = EngineSnapshot(
-        running=len(e.scheduler.running), waiting=len(e.scheduler.waiting), kv=e.kv.stats(),
-        preemptions=e.scheduler.num_preemptions, prompt_tokens=e.counters["prompt_tokens"],
-        generation_tokens=e.counters["generation_tokens"], vtensor=e.runner.vtensor_stats())
-    text = ServerMetrics().render(snapshot).decode()
+    """The kvserve_vtensor_* gauges as /metrics renders them for this engine now (the
+    server's own snapshot of it, rendered by the server's metrics)."""
+    metrics = ServerMetrics()
+    text = metrics.render(EngineLoop(engine, metrics)._snapshot()).decode()
     return {f.name.removeprefix("kvserve_vtensor_"): f.samples[0].value
             for f in text_string_to_metric_families(text)
             if f.name.removeprefix("kvserve_vtensor_") in GAUGES}
