@@ -27,7 +27,7 @@ from hf_tiny import (
     save_tiny,
 )
 
-from kvserve.engine.engine import EngineConfig, LLMEngine
+from kvserve.engine.engine import LLMEngine
 from kvserve.memory.spec import LayerKind
 from kvserve.models.attention_ref import sequence_logits
 from kvserve.models.llama4 import Llama4MoE
