@@ -14,7 +14,7 @@ import argparse
 
 import pytest
 import torch
-from hf_reference import NEW_TOKENS, ledger_text
+from hf_reference import NEW_TOKENS, assert_same_greedy, ledger_text
 from tiny_gemma import VOCAB, ByteTokenizer, tiny_gemma
 
 from kvserve.engine.engine import EngineConfig, LLMEngine
@@ -80,6 +80,50 @@ def test_tokens_equal_paged_across_the_window(kv, prompts):
     paged, vt, engine = both(kv, lambda e: [generate(e, [p])[0] for p in ps])
     assert vt == paged
     assert engine.runner.pool is None  # the KV data is not in a byte pool
+    assert_no_leak(engine)
+
+
+def test_sliding_layers_map_only_their_window(kv, prompts, hf_greedy):
+    """A prompt past the 512-token window, then decode: HF's tokens, while each sliding
+    layer keeps about window + a chunk mapped and each full layer the whole history.
+
+    Chunked prefill (256-token steps) unmaps as the window moves, decode crosses
+    a chunk boundary (716 tokens, 32-token chunks). The prefix trees still hold
+    what the sliding layers unmapped, so only a trim gives that memory back.
+    """
+    prompt = prompts["p700"]
+    engine = make_engine(kv.model, kv.tokenizer, "vtensor", max_num_batched_tokens=256)
+    attn = engine.runner.attn
+    window, tpc = kv.config.sliding_window, attn.tokens_per_chunk
+    sliding = [p for p, w in zip(attn.pools, attn.windows) if w]
+    full = [p for p, w in zip(attn.pools, attn.windows) if not w]
+    assert sliding and full and {w for w in attn.windows if w} == {window}
+    engine.add_request("r", {"prompt_token_ids": prompt}, GREEDY)
+    seen, out = [], None
+    while engine.has_unfinished():
+        for o in engine.step():
+            out = o.outputs[0].token_ids if o.finished else out
+        if "r" in engine.requests:
+            stats = attn.stats()
+            assert stats["sliding_mapped_bytes"] == sum(p.stats().mapped_bytes for p in sliding)
+            seen.append((engine.requests["r"].num_computed,
+                         {(p.active["r"].head, p.active["r"].num_mapped) for p in sliding},
+                         {p.active["r"].num_mapped for p in full}))
+    assert_same_greedy(out, hf_greedy(prompt))
+    assert len(seen) > 3 and seen[-1][0] > len(prompt)
+    for computed, sliding_maps, full_mapped in seen:
+        ((head, mapped),) = sliding_maps  # every sliding layer alike
+        # The next query at `computed` sees keys from computed - 511 on: those stay
+        # mapped, and no chunk wholly before them does.
+        assert head == max(0, computed - window + 1) // tpc
+        assert mapped <= window // tpc + 2  # the window, its ragged start, one ahead
+        assert min(full_mapped) >= -(-computed // tpc)  # full layers: the whole history
+    assert seen[-1][1] != seen[0][1] and min(seen[-1][2]) > max(seen[0][2])
+    # Released and cached now. The sliding trees still hold the chunks unmapped from
+    # the vTensor (a later prefix hit maps the whole history): trimming gives them back.
+    held = sliding[0].tree.match(prompt, 0.0)
+    assert len(held) == len(prompt) // tpc > next(iter(sliding[0].cached)).num_mapped
+    assert not set(held) & attn.chunks.free
     assert_no_leak(engine)
 
 

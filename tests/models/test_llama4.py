@@ -27,7 +27,7 @@ from hf_tiny import (
     save_tiny,
 )
 
-from kvserve.engine.engine import EngineConfig, LLMEngine
+from kvserve.engine.engine import LLMEngine
 from kvserve.memory.spec import LayerKind
 from kvserve.models.attention_ref import sequence_logits
 from kvserve.models.llama4 import Llama4MoE
@@ -127,13 +127,40 @@ def test_chunked_memory_is_bounded(tiny):
     check_bounded(directory, prompts, LayerKind.CHUNKED, CHUNK + PAGE, NEW)
 
 
-def test_vtensor_backend_refuses_chunked_layers(tiny):
-    _, directory, _, _ = tiny
-    model = load_engine(directory).model
-    cfg = EngineConfig(kv_memory=2 << 20, tokens_per_page=PAGE, quantization="none",
-                       dtype="float32", kv_backend="vtensor")
-    with pytest.raises(ValueError, match="chunked"):
-        LLMEngine(model, None, cfg)
+@pytest.mark.parametrize("batched_tokens", [64, 9])
+def test_vtensor_backend_unmaps_what_left_the_attention_chunk(tiny, monkeypatch,
+                                                              batched_tokens):
+    """kv_backend vtensor: HF's tokens, with prefill whole and in 9-token steps, while the
+    chunked layers keep only the chunks of the current attention chunk (+ one ahead) and
+    the full layer the whole history."""
+    from kvserve.models import virtual_attention as va
+
+    monkeypatch.setattr(va, "CHUNK_TARGET", 4096)  # 16-token vTensor chunks: 8 tokens are
+    # an attention chunk, so they leave it every 8 tokens and a chunk every 16
+    _, directory, prompts, want = tiny
+    eng = load_engine(directory, kv_backend="vtensor", max_num_batched_tokens=batched_tokens)
+    attn = eng.runner.attn
+    tpc = attn.tokens_per_chunk
+    assert tpc == 16 and attn.attention_chunks == [CHUNK] * 3 + [0]
+    seen = []
+
+    def check(e: LLMEngine) -> None:
+        for req in e.scheduler.running:
+            done = attn.computed.get(req.request_id)
+            if done is None:
+                continue
+            vts = [p.active[req.request_id] for p in attn.pools]
+            for vt in vts[:3]:  # chunked: nothing wholly before the query's attention chunk
+                assert vt.head == done // CHUNK * CHUNK // tpc
+                assert vt.num_mapped <= CHUNK // tpc + 2  # its chunks, a ragged start, ahead
+            assert vts[3].head == 0 and vts[3].num_mapped >= -(-done // tpc)
+            seen.append((done, vts[0].head))
+    got, _ = engine_run(eng, prompts, NEW, each_step=check)
+    assert got == want
+    assert max(head for _, head in seen) >= 3  # the 61 + 12 tokens went past 3 chunks
+    stats = attn.stats()  # released lazily: the cached vTensors keep what they had mapped
+    assert stats["chunked_mapped_bytes"] == sum(p.stats().mapped_bytes for p in attn.pools[:3])
+    assert stats["sliding_mapped_bytes"] == 0
 
 
 def test_chunk_of_one_page(tmp_path):

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvserve.physical.vtensor import (
+    UNMAPPED,
     ChunkPool,
     CpuBackend,
     MappingLimitError,
@@ -76,8 +77,9 @@ def check_refs(pool):
     """Every reference is a mapping slot or a tree node; free means unreferenced."""
     want = [0] * pool.backend.num_chunks
     for vt in all_vtensors(pool):
-        for c in vt.chunks:
+        for c in vt.mapped_chunks():
             want[c] += 1
+        assert all(c == UNMAPPED for c in vt.chunks[:vt.head])
     for node in pool.tree.nodes.values():
         want[node.chunk] += 1
     assert pool.chunks.ref == want
@@ -93,6 +95,11 @@ def write_tokens(pool, req, tokens, lo, hi):
 
 def read_tokens(pool, req, hi):
     return pool.view(req, torch.int32)[:hi, 0].tolist()
+
+
+def visible(tokens, hi, head_tokens):
+    """What a view shows of tokens[:hi] once the first `head_tokens` were unmapped: zeros."""
+    return [0] * min(hi, head_tokens) + list(tokens[head_tokens:hi])
 
 
 def chunk_tokens(pool, chunk):
@@ -434,6 +441,67 @@ def test_without_the_guard_a_stale_view_would_kill_the_process():
     assert done.returncode == -11, (done.returncode, done.stderr)
 
 
+def test_unmap_head_keeps_positions_and_drops_only_this_ranges_references():
+    pool = make_pool(num_chunks=16)
+    a = list(range(1, 6 * TPC + 1))
+    pool.create("a")
+    pool.extend("a", len(a))
+    write_tokens(pool, "a", a, 0, len(a))
+    pool.record("a", a[: 2 * TPC])  # the tree holds chunks 0 and 1
+    vt = pool.active["a"]
+    physical = pool.stats().physical_bytes
+    assert vt.unmap_head(3) == 3 and vt.head == 3
+    assert vt.chunks == [UNMAPPED] * 3 + [3, 4, 5] and vt.num_mapped == 3
+    assert pool.chunks.ref[:6] == [1, 1, 0, 1, 1, 1]  # chunk 2: nobody's now
+    assert pool.chunks.free >= {2} and pool.stats().mapped_bytes == 3 * C
+    assert pool.stats().physical_bytes == physical  # unmapping gives nothing back ...
+    assert pool.trim(idle_s=1e9) == C  # ... until the unreferenced chunk is punched
+    assert pool.stats().physical_bytes == physical - C
+    assert read_tokens(pool, "a", len(a)) == visible(a, len(a), 3 * TPC)  # zeros, no SIGSEGV
+    assert chunk_tokens(pool, 0) == a[:TPC] and chunk_tokens(pool, 1) == a[TPC : 2 * TPC]
+    assert vt.vmas() == 3  # head placeholder + one run + the PROT_NONE rest
+    check_refs(pool)
+    check_vmas(pool)
+    assert vt.unmap_head(2) == 0 and vt.unmap_head(5) == 2 and vt.vmas() == 3
+    pool.extend("a", 8 * TPC)  # the tail grows on, at its own positions
+    write_tokens(pool, "a", a + [77] * 2 * TPC, 6 * TPC, 8 * TPC)
+    assert read_tokens(pool, "a", 8 * TPC)[5 * TPC :] == a[5 * TPC :] + [77] * 2 * TPC
+    check_refs(pool)
+    check_vmas(pool)
+    pool.close()
+
+
+def test_unmap_head_of_everything_then_map_and_reuse():
+    pool = make_pool(num_chunks=8)
+    pool.create("a")
+    pool.extend("a", 3 * TPC)
+    view = pool.view("a")  # a live view: the tail placeholder must join the head's
+    vt = pool.active["a"]
+    vt.unmap(2)
+    assert vt.unmap_head(5) == 2 and vt.num_mapped == 0 and vt.head == 2
+    check_vmas(pool)
+    assert int(view.sum()) == 0  # the stale view reads the placeholder
+    pool.extend("a", 4 * TPC)  # maps at slots 2 and 3: positions kept
+    assert vt.chunks[2:] != [UNMAPPED, UNMAPPED] and vt.num_mapped == 2
+    check_vmas(pool)
+    vt.unmap_head(3)
+    vt.unmap(1)  # below the head: nothing of it is left, the range starts over
+    assert vt.head == 0 and vt.chunks == [] and vt.need == 0
+    check_refs(pool)
+    check_vmas(pool)
+    pool.extend("a", 3 * TPC)
+    vt.unmap_head(1)  # released with a head: a reuse cannot keep its chunks in place
+    pool.release("a")
+    del view
+    assert pool.create("b") == 0 and pool.active["b"] is vt  # reused: starts over at slot 0
+    assert vt.head == 0 and vt.chunks == []
+    pool.extend("b", TPC)
+    assert len(vt.chunks) == 1
+    check_refs(pool)
+    check_vmas(pool)
+    pool.close()
+
+
 # ------------------------------------------------------------------ state machine
 
 BASES = [[(5 * i + j) % 29 + 1 for j in range(8 * TPC)] for i in range(3)]
@@ -447,7 +515,7 @@ class VTensorBookkeeping(RuleBasedStateMachine):
         self.now = 0.0
         self.pool = make_pool(num_chunks=num_chunks, slots=8, clock=lambda: self.now, ahead=ahead)
         self.baseline = self.pool.backend.mappings
-        self.reqs = {}  # rid -> [tokens, written]
+        self.reqs = {}  # rid -> [tokens, written, tokens unmapped at the head]
         self.held = []  # views kept past their request, as a careless engine might
         self.next_id = 0
 
@@ -462,7 +530,7 @@ class VTensorBookkeeping(RuleBasedStateMachine):
         matched = self.pool.create(rid, tokens)
         assert matched % TPC == 0 and matched <= length
         assert read_tokens(self.pool, rid, matched) == tokens[:matched]
-        self.reqs[rid] = [tokens, matched]
+        self.reqs[rid] = [tokens, matched, 0]
 
     def _snapshot(self):
         p = self.pool
@@ -473,7 +541,7 @@ class VTensorBookkeeping(RuleBasedStateMachine):
     @rule(data=st.data(), n=st.integers(1, 4 * TPC))
     def extend_and_write(self, data, n):
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
-        tokens, written = self.reqs[rid]
+        tokens, written, _ = self.reqs[rid]
         new = min(len(tokens), written + n)
         before = self._snapshot()
         try:
@@ -498,24 +566,49 @@ class VTensorBookkeeping(RuleBasedStateMachine):
     @rule(data=st.data())
     def record(self, data):
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
-        tokens, written = self.reqs[rid]
-        assert self.pool.record(rid, tokens[:written]) == written // TPC * TPC
+        tokens, written, head = self.reqs[rid]
+        got = self.pool.record(rid, tokens[:written])
+        assert got % TPC == 0 and got <= written
+        if head == 0:  # nothing unmapped: every whole chunk written is recorded
+            assert got == written // TPC * TPC
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data(), hold=st.booleans())
     def release(self, data, hold):
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
-        tokens, written = self.reqs.pop(rid)
-        assert read_tokens(self.pool, rid, written) == tokens[:written]
+        tokens, written, head = self.reqs.pop(rid)
+        assert read_tokens(self.pool, rid, written) == visible(tokens, written, head)
         if hold:
             self.held.append(self.pool.view(rid))
         self.pool.release(rid)
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def unmap_head(self, data):
+        """A sliding layer drops what left its window (or, at the edge, all it has)."""
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        vt, p = self.pool.active[rid], self.pool
+        upto = data.draw(st.integers(0, len(vt.chunks)))
+        ref, physical = list(p.chunks.ref), p.stats().physical_bytes
+        gone = vt.chunks[vt.head:upto]
+        assert vt.unmap_head(upto) == len(gone)
+        for c in set(gone):
+            assert p.chunks.ref[c] == ref[c] - gone.count(c)
+            assert (c in p.chunks.free) == (p.chunks.ref[c] == 0)  # freed only when unreferenced
+        assert p.stats().physical_bytes == physical  # memory goes only when punched
+        tokens, written, head = self.reqs[rid]
+        head = max(head, vt.head * TPC)
+        # Tokens before the head are gone: writing resumes past them, like a sliding layer.
+        self.reqs[rid] = [tokens, min(len(tokens), max(written, head)), head]
+        assert read_tokens(p, rid, written) == visible(tokens, written, head)
 
     @rule(dt=st.sampled_from([0.0, 1.0, 5.0]), idle=st.sampled_from([0.0, 3.0, 100.0]))
     def trim(self, dt, idle):
         self.now += dt
         self.pool.trim(idle_s=idle)
         assert self.pool.chunks.dirty == set()
+        s = self.pool.stats()
+        assert s.physical_bytes <= s.referenced_bytes  # every unreferenced chunk was punched
 
     @precondition(lambda self: self.held)
     @rule()
@@ -528,7 +621,7 @@ class VTensorBookkeeping(RuleBasedStateMachine):
 
     @invariant()
     def written_tokens_are_needed(self):
-        for rid, (_, written) in self.reqs.items():
+        for rid, (_, written, _) in self.reqs.items():
             vt = self.pool.active[rid]
             assert written <= vt.need * TPC and vt.need <= len(vt.chunks)
 
@@ -545,6 +638,18 @@ class VTensorBookkeeping(RuleBasedStateMachine):
             assert backing and backing[0][0] <= lo and backing[-1][1] >= lo + v.numel()
             assert all(a[1] == b[0] for a, b in zip(backing, backing[1:]))  # no holes
             assert all(m[2].startswith("rw") for m in backing)
+
+    @invariant()
+    def views_show_the_reference(self):
+        """Each request's view: zeros over the head, its tokens where written."""
+        for rid, (tokens, written, head) in self.reqs.items():
+            assert read_tokens(self.pool, rid, written) == visible(tokens, written, head)
+
+    @invariant()
+    def mappings_stay_bounded(self):
+        """A range costs its chunk runs plus at most three: head, tail placeholder, PROT_NONE."""
+        for vt in all_vtensors(self.pool):
+            assert vt.vmas() <= len(vt._starts) + 3
 
     @invariant()
     def tree_chunks_hold_their_tokens(self):

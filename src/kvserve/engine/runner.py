@@ -32,8 +32,8 @@ def kv_specs(
     Layers that share a rule and a shape share a spec (Jenga: one page holds a token of
     every layer of its spec, or one sequence's state of every layer of a state spec),
     named after the rule; a second spec of one kind (another window or head size) gets a
-    numbered name. With `full_history` (the vtensor backend, which keeps every layer's
-    whole history) attention layers are accounted as full attention; their bindings keep
+    numbered name. With `full_history` (the vtensor backend, whose prefix trees keep every
+    layer's whole history) attention layers are accounted as full attention; their bindings keep
     their windows, which attention still applies.
     """
     specs: dict[tuple, KVSpec] = {}
@@ -82,9 +82,9 @@ def vtensor_shape(shapes: Shapes, bindings: Sequence[LayerBinding]) -> Attention
     if len(set(shapes.values())) != 1 or len(shapes) != len({b.spec for b in bindings}):
         raise ValueError("kv_backend 'vtensor' serves attention-only models with one KV shape; "
                          "use kv_backend 'paged'")
-    if any(b.chunk or b.softcap or b.scale != bindings[0].scale for b in bindings):
-        raise ValueError("kv_backend 'vtensor' has no chunked attention, softcapping or "
-                         "per-layer scales; use kv_backend 'paged'")
+    if any(b.softcap or b.scale != bindings[0].scale for b in bindings):
+        raise ValueError("kv_backend 'vtensor' has no softcapping or per-layer scales; "
+                         "use kv_backend 'paged'")
     return next(iter(shapes.values()))
 
 
@@ -106,7 +106,8 @@ class ModelRunner:
             self.pool = None
             self.attn = VirtualAttention(
                 [b.window for b in bindings], vtensor_shape(shapes, bindings),
-                bindings[0].scale, kv_bytes or kv.pool_bytes, kv.T)
+                bindings[0].scale, kv_bytes or kv.pool_bytes, kv.T,
+                attention_chunks=[b.chunk for b in bindings])
         else:
             self.pool = KVPool(kv.layout, kv.num_large_pages, shapes, model.device)
             self.attn = PagedAttention(self.pool, bindings, kv.T)

@@ -30,14 +30,16 @@ Step protocol (the paper's §5.4 scheduler operations):
 * `__call__` per layer writes the new K/V by slicing and attends.
 * `commit` after the forward *Records* every chunk whose tokens are now all
   computed (prompt and generated tokens alike) in each layer's prefix tree,
-  drops the step's views, and *Extends ahead*: every request of the step gets
-  chunks for its next `ahead_tokens` tokens from free chunks (best effort;
-  taken back first when memory is short), so a decode step finds its memory
-  mapped and `prepare` maps only for prefill. This engine is synchronous, so
-  the maps are moved out of the step's start, not overlapped with compute
-  as on a GPU; at 64 KiB chunks a map costs 15 us (a chunk kept by a lazy
-  release) to 60 us (fresh memory), once per request, layer and 32 tokens:
-  ~0.1% of a decode step (docs/benchmarks.md), which is why that is enough.
+  drops the step's views, *Unmaps* in each sliding layer the chunks wholly
+  before the next step's first key (`unmap_window`), and *Extends ahead*:
+  every request of the step gets chunks for its next `ahead_tokens` tokens
+  from free chunks (best effort; taken back first when memory is short), so
+  a decode step finds its memory mapped and `prepare` maps only for
+  prefill. This engine is synchronous, so the maps are moved out of the
+  step's start, not overlapped with compute as on a GPU; at 64 KiB chunks a
+  map costs 15 us (a chunk kept by a lazy release) to 60 us (fresh memory),
+  once per request, layer and 32 tokens: ~0.1% of a decode step
+  (docs/benchmarks.md), which is why that is enough.
 * `release` (the engine calls it when a request finishes or aborts) and
   `retain` (each step, with the running requests: a preempted one is
   released) *Release* lazily: chunks stay mapped until memory is needed.
@@ -67,10 +69,44 @@ as it returns; recomputing keeps the memory core untouched.
 Physical capacity is a ceiling on a sparse memfd, not a reservation: memory
 is taken as chunks are mapped and punched back after `--kv-idle-release-s`.
 The ceiling is `--kv-memory` itself: the memfd is that size, so the process
-never holds more KV than that. Every layer here holds a request's whole
-history (sliding layers keep their full prefix; unmapping what left the
-window is left to do), so the memory core admits against it as if every layer
-were full attention, minus room for chunk rounding (`core_budget`).
+never holds more KV than that.
+
+Sliding and chunked layers map only what a query can still see. After each
+step such a layer unmaps the chunks lying wholly before the next step's first
+key (`first_key(end, window, chunk)`; a request's next step starts at its
+`end`, a resumed one is created again), so a sliding layer keeps about
+window + one chunk mapped per request (Gemma 3 270M, window 512, 32-token
+chunks: 17 of them, against a 4K request's 128) and a chunked layer (Llama 4)
+its current attention chunk + one. The slots stay reserved behind a
+placeholder (`VTensor.unmap_head`), so positions do not move.
+
+Unmapping drops only the vTensor's references: the prefix trees still hold
+every recorded chunk, so the memory comes back when they evict it (memory
+pressure or idle release). A hit at token h needs only the chunks over
+[h - window + 1, h) in a sliding layer, so a tree could keep just the last
+window before each leaf. It does not, deliberately:
+
+* The hit point is not known when a chunk is recorded. Any node can become
+  one: a shared system prompt ends inside the first request that carries it
+  and becomes a branch only when the second one arrives, by which time the
+  first has moved past it. Trimmed there, the prefix sharing the trees exist
+  for would miss in every sliding layer.
+* A miss there cannot be patched by recomputing one window. A token's KV in
+  layer l depends on the windows of every layer below (and on the full
+  layers' whole history), so the gap from the last point where every window
+  is whole is recomputed through all layers, and the full layers' chunks in
+  that gap, shared through the tree, must not be written: the step is
+  widened back to the sliding match, as for any shorter match.
+* Matching would become "the deepest node whose window is whole" across
+  layer groups, with hollow nodes (a key, no chunk) to keep the tree
+  walkable, and the memory core, which decides hits, would need the same
+  rule to keep its promises.
+
+What is left to do is hollowing sliding chunks under memory pressure only,
+before evicting leaves. Until then the memory core admits as if every layer
+held the full history, minus room for chunk rounding (`core_budget`): what
+the sliding layers unmap is memory the pool can lend to caches and head
+starts, never memory admission counts on.
 """
 
 from __future__ import annotations
@@ -94,6 +130,7 @@ from kvserve.physical.vtensor import (
 )
 
 T = TypeVar("T")
+Rule = tuple[int, int]  # a layer's (window, attention chunk); (0, 0) is full attention
 
 CHUNK_TARGET = 64 << 10  # small chunks suit CPU: little waste per request and layer
 
@@ -116,17 +153,21 @@ class _Plan:
     rows: slice  # its rows in the flattened batch
     start: int
     end: int
-    first_key: dict[int, int]  # per window (0: full attention)
-    bias: dict[int, torch.Tensor | None] = field(default_factory=dict)  # None: decode
+    first_key: dict[Rule, int]  # per layer rule
+    bias: dict[Rule, torch.Tensor | None] = field(default_factory=dict)  # None: decode
 
 
-def _bias(start: int, end: int, lo: int, window: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [Q, end - lo]: causal, and inside the window; made once for all layers."""
+def _bias(start: int, end: int, lo: int, rule: Rule, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [Q, end - lo]: causal, and inside the window or the query's own
+    attention chunk; made once for all layers of a rule."""
+    window, chunk = rule
     q = torch.arange(start, end)[:, None]
     k = torch.arange(lo, end)[None, :]
     visible = k <= q
     if window:
         visible &= k > q - window
+    if chunk:
+        visible &= k >= q // chunk * chunk
     return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
@@ -135,10 +176,14 @@ class VirtualAttention:
 
     def __init__(self, windows: Sequence[int], shape: AttentionShape, scale: float,
                  capacity_bytes: int, tokens_per_page: int,
-                 chunk_target: int | None = None, ahead_tokens: int | None = None) -> None:
+                 chunk_target: int | None = None, ahead_tokens: int | None = None,
+                 attention_chunks: Sequence[int] | None = None) -> None:
         """`ahead_tokens`: Extend ahead after each step by this many tokens (default: a
-        chunk's worth, so a decoding request maps once per chunk, in `commit`); 0: never."""
+        chunk's worth, so a decoding request maps once per chunk, in `commit`); 0: never.
+        `attention_chunks`: per layer, its chunked local attention's chunk (Llama 4), 0: none."""
         self.windows = list(windows)  # per layer; 0 for full attention
+        self.attention_chunks = list(attention_chunks or [0] * len(self.windows))
+        self.rules: list[Rule] = list(zip(self.windows, self.attention_chunks, strict=True))
         self.shape = shape
         self.scale = scale
         self.device = torch.device("cpu")
@@ -150,6 +195,7 @@ class VirtualAttention:
                       for _ in self.windows]
         self.tokens_per_chunk = self.pools[0].tokens_per_chunk
         self.ahead_tokens = self.tokens_per_chunk if ahead_tokens is None else ahead_tokens
+        self.window_unmap = True  # local layers unmap what left their reach (off: to compare)
         self.computed: dict[str, int] = {}  # tokens whose KV is written, per request
         self.recorded: dict[str, int] = {}  # chunks already in the prefix trees
         self.recomputed_tokens = 0  # gap tokens recomputed because a match fell short
@@ -236,10 +282,10 @@ class VirtualAttention:
         for s in seqs:
             end = s.start + s.num_new
             plan = _Plan(slice(row, row + s.num_new), s.start, end,
-                         {w: first_key(s.start, w) for w in set(self.windows)})
-            for w, lo in plan.first_key.items():
-                plan.bias[w] = None if s.num_new == 1 else _bias(
-                    s.start, end, lo, w, self.shape.dtype)
+                         {r: first_key(s.start, *r) for r in set(self.rules)})
+            for r, lo in plan.first_key.items():
+                plan.bias[r] = None if s.num_new == 1 else _bias(
+                    s.start, end, lo, r, self.shape.dtype)
             self.plans.append(plan)
             row += s.num_new
         self.views = [[pool.view(s.request_id, self.shape.dtype).view(-1, 2, H, D)
@@ -249,13 +295,13 @@ class VirtualAttention:
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
-        window = self.windows[layer_idx]
+        rule = self.rules[layer_idx]
         out = torch.empty_like(q)
         for plan, kv in zip(self.plans, self.views[layer_idx]):
             kv[plan.start:plan.end, 0] = k[plan.rows]
             kv[plan.start:plan.end, 1] = v[plan.rows]
-            lo = plan.first_key[window]
-            out[plan.rows] = self._attend(q[plan.rows], kv[lo:plan.end], plan.bias[window])
+            lo = plan.first_key[rule]
+            out[plan.rows] = self._attend(q[plan.rows], kv[lo:plan.end], plan.bias[rule])
         return out
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor,
@@ -297,9 +343,28 @@ class VirtualAttention:
                     pool.record(s.request_id, s.tokens[:full * tpc])
                 self.recorded[s.request_id] = full
         self.views, self.plans, self.seqs = [], [], []
+        if self.window_unmap:
+            for s in seqs:  # after the views are dropped: no placeholders needed for them
+                self.unmap_window(s.request_id, s.start + s.num_new)
         if self.ahead_tokens:
             for s in seqs:
                 self._map_ahead(s.request_id, s.start + s.num_new + self.ahead_tokens)
+
+    def unmap_window(self, rid: str, end: int) -> int:
+        """Unmap, in every sliding and chunked layer, `rid`'s chunks wholly before the keys
+        a query at `end` (the next step's first) sees; returns the chunks unmapped.
+
+        Later queries see no lower key (windows and attention chunks only move
+        forward). A chunk is kept while any of its tokens is still visible, so
+        up to window - 1 + one chunk of tokens stay mapped behind `end` in a
+        sliding layer, and the current attention chunk + one in a chunked one.
+        """
+        gone = 0
+        for rule, pool in zip(self.rules, self.pools):
+            if rule != (0, 0):
+                upto = first_key(end, *rule) // self.tokens_per_chunk
+                gone += pool.active[rid].unmap_head(upto)
+        return gone
 
     def _map_ahead(self, rid: str, num_tokens: int) -> None:
         """Extend ahead in every layer: map (best effort) the first `num_tokens` tokens of `rid`.
@@ -340,11 +405,15 @@ class VirtualAttention:
         holders: dict[int, int] = {}
         for pool in self.pools:
             for vt in pool.active.values():
-                for c in vt.chunks:
+                for c in vt.mapped_chunks():
                     holders[c] = holders.get(c, 0) + 1
         return {
             "reserved_bytes": sum(s.reserved_bytes for s in per_layer),
             "mapped_bytes": sum(s.mapped_bytes for s in per_layer),
+            "sliding_mapped_bytes": sum(s.mapped_bytes for s, w in zip(per_layer, self.windows)
+                                        if w),
+            "chunked_mapped_bytes": sum(s.mapped_bytes for s, c
+                                        in zip(per_layer, self.attention_chunks) if c),
             "referenced_bytes": per_layer[0].referenced_bytes,  # the shared chunk pool's
             "physical_bytes": per_layer[0].physical_bytes,
             "active": per_layer[0].active,
@@ -373,7 +442,7 @@ def core_budget(kv_bytes: int, num_layers: int, chunk_bytes: int, page_bytes: in
     """The memory core's budget when `kv_bytes` is the vTensor pool's physical ceiling.
 
     The core accounts every layer as full attention here (`attention_specs`
-    with `full_history`), as the vTensors hold every layer's whole history, so
+    with `full_history`), as the prefix trees hold every layer's whole history, so
     its pages count the tokens the chunks hold. What it cannot see is chunk
     rounding: a request's own KV starts and ends inside a chunk (a prefix hit
     ending mid-chunk is recomputed into its own chunk), up to two chunks per

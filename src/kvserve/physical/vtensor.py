@@ -9,7 +9,8 @@ The paper's operations and where they live here:
 
   vAlloc / vFree   `VTensor(...)` reserves a range, `VTensor.free()` drops it
   pAlloc / pFree   `ChunkPool.alloc()` / `ChunkPool.decref()` (reference counted)
-  Map / Unmap      `VTensor.map()` / `VTensor.unmap()` (always at the tail)
+  Map / Unmap      `VTensor.map()` / `VTensor.unmap()` (at the tail), and
+                   `VTensor.unmap_head()` (what left a sliding window, at the head)
   rPush            `PrefixTree.push()`
   rPrefixMatch     `PrefixTree.match()`
 
@@ -390,16 +391,26 @@ def _runs(chunks: Sequence[int]) -> list[tuple[int, int]]:
 # ------------------------------------------------------------------ vSet entry
 
 
+UNMAPPED = -1  # `VTensor.chunks` entry of a slot before the head: its chunk was unmapped
+
+
 class VTensor:
     """One reserved virtual range with chunks mapped at its start.
 
     Slot `j` covers bytes [j * chunk_bytes, (j + 1) * chunk_bytes) of the
-    range. `chunks[j]` is mapped at slot j for j < len(chunks); slots
-    [len(chunks), placeholder_end) hold placeholders; the rest is PROT_NONE.
-    Chunks are always mapped and unmapped at the tail, so the mapped part is
-    one prefix and a view of it is one contiguous tensor. The first `need`
-    slots are the ones its owner asked for (Create, Extend); chunks past them
-    were mapped ahead and may be taken back when memory is short.
+    range. Slots [0, head) are a placeholder (`unmap_head`: KV that left a
+    sliding window; `chunks[j]` is UNMAPPED there); `chunks[j]` is mapped at
+    slot j for head <= j < len(chunks); slots [len(chunks), placeholder_end)
+    hold placeholders; the rest is PROT_NONE. Chunks are mapped and unmapped at
+    the tail and dropped at the head, so a view from slot 0 is one contiguous
+    tensor whose token positions never move. The first `need` slots are the
+    ones its owner asked for (Create, Extend); chunks past them were mapped
+    ahead and may be taken back when memory is short.
+
+    The head is a placeholder, not PROT_NONE, because every view starts at
+    slot 0 and so covers it: a stray read there sees zeros instead of killing
+    the process. It is always one VMA (each `unmap_head` remaps all of it in
+    one call), so it costs a vTensor at most one mapping over its lifetime.
     """
 
     def __init__(self, pool: ChunkPool, slots: int,
@@ -415,6 +426,7 @@ class VTensor:
         self.slots = slots
         self.chunks: list[int] = []
         self._starts: list[int] = []  # indices into `chunks` where a run of consecutive ids begins
+        self.head = 0  # slots before it were unmapped by `unmap_head`
         self.need = 0
         self.placeholder_end = 0
         self.views: list[tuple[weakref.ref, int]] = []  # (owner, slots it covers)
@@ -425,6 +437,18 @@ class VTensor:
     def nbytes(self) -> int:
         return self.slots * self.pool.chunk_bytes
 
+    @property
+    def num_mapped(self) -> int:
+        """Chunks mapped now (slots [head, len(chunks)))."""
+        return len(self.chunks) - self.head
+
+    def mapped_chunks(self) -> list[int]:
+        return self.chunks[self.head:]
+
+    def last_chunk(self) -> int | None:
+        """The chunk at the tail, where the next chunk should follow (None: none mapped)."""
+        return self.chunks[-1] if self.num_mapped else None
+
     def vmas(self, appended: Sequence[int] = ()) -> int:
         """Kernel VMAs the range takes (now, or with `appended` mapped at the tail): one per run.
 
@@ -433,13 +457,17 @@ class VTensor:
         and go, so this costs O(len(appended)), not O(mapped chunks): a long
         request's every Extend asks.
         """
-        runs, prev = len(self._starts), self.chunks[-1] if self.chunks else None
+        runs, prev = len(self._starts), self.last_chunk()
         for c in appended:
             if prev is None or c != prev + 1:
                 runs += 1
             prev = c
         n, ph = len(self.chunks) + len(appended), self.placeholder_end
-        return runs + (ph > n) + (self.slots > max(ph, n))
+        if n > self.head:  # the head and tail placeholders lie apart
+            placeholders = (self.head > 0) + (ph > n)
+        else:  # nothing mapped between them: they are one mapping (see `unmap_head`)
+            placeholders = int(self.head > 0 or ph > n)
+        return runs + placeholders + (self.slots > max(ph, n))
 
     def map(self, chunks: Sequence[int]) -> None:
         """Map: append `chunks` at the tail; each slot takes one reference."""
@@ -463,7 +491,7 @@ class VTensor:
             backend.charge(-grown, strict=False)
             raise
         pool.incref(chunks)
-        prev = self.chunks[-1] if self.chunks else None
+        prev = self.last_chunk()
         for i, c in enumerate(chunks):
             if prev is None or c != prev + 1:
                 self._starts.append(start + i)
@@ -475,21 +503,63 @@ class VTensor:
     def unmap(self, keep: int) -> None:
         """Unmap: take every chunk from slot `keep` on off the range (their references go).
 
-        Slots a live view covers get a placeholder, the rest PROT_NONE.
+        Slots a live view covers get a placeholder, the rest PROT_NONE. With
+        `keep` below the head nothing of the request's KV is left, so the
+        head goes too: the range starts over empty, as a fresh one.
         """
         n = len(self.chunks)
         if keep >= n:
             return
+        head = self.head
+        if keep < head:
+            keep = head = 0
         ph_end = max(self.viewed_slots(), self.placeholder_end if self.placeholder_end > n else 0)
         before = self.vmas()
-        self._clear(keep, n, ph_end)
-        gone = self.chunks[keep:]
+        lo = keep
+        if head and keep == head:
+            # Nothing stays mapped between the head and the tail placeholders: remap them
+            # as one, so the kernel's count is the one `vmas()` gives.
+            lo, ph_end = 0, max(ph_end, head)
+        self._clear(lo, max(n, ph_end), ph_end)  # past n: one placeholder, not two abutting
+        gone = [c for c in self.chunks[max(keep, self.head):] if c != UNMAPPED]
         del self.chunks[keep:]
         del self._starts[bisect_left(self._starts, keep):]
+        self.head = head
         self.need = min(self.need, keep)
         self.placeholder_end = ph_end if ph_end > keep else 0
         self.pool.backend.charge(self.vmas() - before, strict=False)
         self.pool.decref(gone)
+
+    def unmap_head(self, upto: int) -> int:
+        """Unmap the chunks of slots before `upto` (KV no attention will read again).
+
+        The slots keep their place, so token positions stay where they were;
+        they become part of the head placeholder, remapped in one call so it
+        stays one VMA. Only this range's references go: a chunk the prefix
+        tree or another request still holds keeps its memory. Returns the
+        chunks unmapped.
+        """
+        n = len(self.chunks)
+        upto = min(upto, n)
+        if upto <= self.head:
+            return 0
+        before = self.vmas()
+        ph = self.placeholder_end
+        # When nothing stays mapped, the tail placeholder joins the head's (one mapping).
+        end = upto if upto < n else max(n, ph)
+        self.pool.backend.unmap(self.addr, end * self.pool.chunk_bytes, placeholder=True)
+        gone = self.chunks[self.head:upto]
+        self.chunks[self.head:upto] = [UNMAPPED] * len(gone)
+        self.head = upto
+        starts = self._starts[bisect_left(self._starts, upto):]
+        if upto < n and (not starts or starts[0] != upto):
+            starts.insert(0, upto)  # the run it cut through now begins here
+        self._starts = starts
+        self.need = max(self.need, upto)  # an unmapped slot can no longer be a head start
+        # At most one more VMA ever (the head's own), so not strict: it must not fail halfway.
+        self.pool.backend.charge(self.vmas() - before, strict=False)
+        self.pool.decref(gone)
+        return len(gone)
 
     def _clear(self, lo: int, hi: int, ph_end: int) -> None:
         """Back slots [lo, hi) with placeholders below `ph_end` and PROT_NONE from there."""
@@ -590,12 +660,15 @@ class PrefixTree:
         """rPush: record that `chunks[j]` holds the KV of block j of `tokens`.
 
         Blocks already recorded keep their chunk (the first one computed wins).
-        Returns how many nodes were added.
+        A block whose chunk was unmapped (UNMAPPED) and that no node holds ends
+        the walk. Returns how many leading blocks are recorded now.
         """
-        parent, added = ROOT, 0
+        parent, depth = ROOT, 0
         for block, chunk in zip(self._blocks(tokens, len(chunks)), chunks):
             key = (parent, block)
             nid = self.edges.get(key)
+            if nid is None and chunk == UNMAPPED:
+                break  # its chunk left the window before it was recorded: nothing to hold
             if nid is None:
                 nid = self._next_id
                 self._next_id += 1
@@ -604,11 +677,11 @@ class PrefixTree:
                 self.nodes[nid] = _Node(key, chunk, 0, now)
                 if parent != ROOT:
                     self.nodes[parent].children += 1
-                added += 1
             else:
                 self.nodes[nid].last_use = now
             parent = nid
-        return added
+            depth += 1
+        return depth
 
     def match(self, tokens: Sequence[int], now: float, max_chunks: int | None = None) -> list[int]:
         """rPrefixMatch: the chunks of the longest recorded prefix of `tokens`.
@@ -763,7 +836,8 @@ class VTensorPool:
             return None
         del self.cached[best]
         keep = best_common
-        if keep == len(matched):  # beyond the prefix, its own chunks are fresh space
+        if keep == len(matched) and not best.head:  # beyond the prefix, its own chunks are
+            # fresh space (with a head, its start is gone: it is remapped from slot 0)
             while keep < len(best.chunks) and self.chunks.ref[best.chunks[keep]] == 1:
                 keep += 1
         try:
@@ -825,7 +899,7 @@ class VTensorPool:
     def _grow(self, vt: VTensor, n: int, reclaim: bool) -> None:
         if reclaim and len(self.chunks.free) < n:
             self._reclaim(n)
-        new = self.chunks.alloc(n, after=vt.chunks[-1] if vt.chunks else None)
+        new = self.chunks.alloc(n, after=vt.last_chunk())
         try:
             vt.map(new)
         finally:
@@ -837,7 +911,7 @@ class VTensorPool:
 
         Checked first, so that when it cannot succeed nothing is dropped.
         """
-        live = {c for vt in self.active.values() for c in vt.chunks[:vt.need]}
+        live = {c for vt in self.active.values() for c in vt.chunks[vt.head:vt.need]}
         ref = self.chunks.ref
         reclaimable = sum(1 for c in range(len(ref)) if ref[c] and c not in live)
         if len(self.chunks.free) + reclaimable < n:
@@ -861,12 +935,12 @@ class VTensorPool:
     def record(self, req: RequestId, tokens: Sequence[int]) -> int:
         """Prefix Record (rPush): `req`'s KV holds `tokens`; returns the tokens recorded.
 
-        Only whole chunks are recorded. The caller vouches that their KV is
-        written: a later match maps them into other requests as they are.
+        Only whole chunks are recorded, and not past a chunk unmapped before it
+        was recorded. The caller vouches that their KV is written: a later
+        match maps them into other requests as they are.
         """
         vt = self.active[req]
-        self.tree.push(tokens, vt.chunks, self.clock())
-        return min(len(tokens) // self.tokens_per_chunk, len(vt.chunks)) * self.tokens_per_chunk
+        return self.tree.push(tokens, vt.chunks, self.clock()) * self.tokens_per_chunk
 
     def release(self, req: RequestId) -> None:
         """Release, lazily: the vTensor stays mapped for reuse until memory is needed."""
@@ -902,7 +976,7 @@ class VTensorPool:
         cb = self.chunks.chunk_bytes
         return VTensorStats(
             reserved_bytes=sum(vt.nbytes for vt in everything),
-            mapped_bytes=sum(len(vt.chunks) for vt in everything) * cb,
+            mapped_bytes=sum(vt.num_mapped for vt in everything) * cb,
             physical_bytes=self.backend.allocated_bytes(),
             referenced_bytes=(len(self.chunks.ref) - len(self.chunks.free)) * cb,
             mappings=self.backend.mappings,

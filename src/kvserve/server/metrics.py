@@ -104,6 +104,10 @@ VTENSOR_GAUGES = (
     ("reserved_bytes", "Virtual address space the vTensors reserve (no memory behind it)"),
     ("mapped_bytes", "Bytes of physical chunks mapped into vTensors; a prefix chunk shared "
                      "by n requests counts n times"),
+    ("sliding_mapped_bytes", "The part of mapped_bytes in sliding-window layers: about "
+                             "window + one chunk per request, what left the window is unmapped"),
+    ("chunked_mapped_bytes", "The part of mapped_bytes in chunked-attention layers (Llama 4): "
+                             "about the current attention chunk + one vTensor chunk per request"),
     ("referenced_bytes", "Bytes of physical chunks someone holds (a request, a cached "
                          "vTensor or a prefix-tree node), each chunk once"),
     ("physical_bytes", "Memory the vTensor pool really holds (the memfd's allocated blocks); "
