@@ -8,31 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_qmatmul import check_matmul
 
 from kvserve.kernels.q5 import q5_blocks, q5_dequantize
-
-
-def random_q5(g: torch.Generator, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random codes and fp16 scales, rows of different magnitudes."""
-    codes = torch.randint(0, 32, (N, K), generator=g, dtype=torch.uint8)
-    d = (torch.rand(N, K // 32, generator=g) * torch.rand(N, 1, generator=g)).half()
-    return codes, d
-
-
-def check_q5_matmul(kernels, seed: int, M: int, N: int, blocks: int, strided: bool) -> None:
-    g = torch.Generator().manual_seed(seed)
-    K = 32 * blocks
-    codes, d = random_q5(g, N, K)
-    x = torch.randn(M, K + 8 * strided, generator=g)[:, :K]  # rows of a wider buffer
-    wd = q5_dequantize(codes, d)
-    want = (x.double() @ wd.double().T).float()
-    # As for Q8_0: the SIMD paths round x to int16 blocks, each value by at most half a
-    # step of its block's largest |x| / 32767; the rest is float32 summation.
-    step = x.abs().view(M, blocks, 32).amax(-1) / 32767
-    bound = (0.5 * step.repeat_interleave(32, dim=1)) @ wd.abs().T
-    got = kernels.q5_matmul(x, *kernels.q5_pack(codes, d))
-    assert got.shape == (M, N)
-    assert ((got - want).abs() <= bound + 1e-5 * (x.abs() @ wd.abs().T) + 1e-6).all()
 
 
 # Any M (tiles of 4 rows and their remainders), N not a multiple of the 2-column tile or of
@@ -41,18 +19,18 @@ def check_q5_matmul(kernels, seed: int, M: int, N: int, blocks: int, strided: bo
 @given(seed=st.integers(0, 2**16), M=st.integers(1, 13), N=st.integers(1, 150),
        blocks=st.integers(1, 24), strided=st.booleans())
 def test_q5_matmul_matches_dequantized_torch(kernels, seed, M, N, blocks, strided):
-    check_q5_matmul(kernels, seed, M, N, blocks, strided)
+    check_matmul(kernels, seed, M, N, blocks, strided, "q5")
 
 
 @pytest.mark.parametrize("M", [0, 1, 5, 32, 67])
 def test_q5_matmul_at_batch_and_prefill_sizes(kernels, M):
-    check_q5_matmul(kernels, M, M, 133, 20, strided=M % 2 == 1)
+    check_matmul(kernels, M, M, 133, 20, M % 2 == 1, "q5")
 
 
 def test_q5_matmul_at_gemma_shapes(kernels):
     """Gemma 3 270M's K (640, five groups; 2048, sixteen) at decode and batch sizes."""
     for M, N, K in [(1, 1024, 640), (3, 640, 2048), (32, 256, 640)]:
-        check_q5_matmul(kernels, K, M, N, K // 32, strided=False)
+        check_matmul(kernels, K, M, N, K // 32, False, "q5")
 
 
 def test_q5_matmul_refuses_bad_shapes(kernels):

@@ -5,24 +5,44 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.kernels.q5 import q5_dequantize
 from kvserve.models.quant import q8_blocks
 
 
-def check_q8_matmul(kernels, seed: int, M: int, N: int, blocks: int, strided: bool) -> None:
-    g = torch.Generator().manual_seed(seed)
-    K = 32 * blocks
+def _quantized_weight(kernels, fmt: str, g: torch.Generator, N: int, K: int):
+    """A random weight in `fmt` blocks: its dequantized values and the kernel over it."""
+    if fmt == "q5":
+        codes, d = random_q5(g, N, K)
+        packed = kernels.q5_pack(codes, d)
+        return q5_dequantize(codes, d), lambda x: kernels.q5_matmul(x, *packed)
     w = torch.randn(N, K, generator=g) * torch.rand(N, 1, generator=g)
     q, d = q8_blocks(w)
+    packed = kernels.q8_pack(q, d)
+    wd = (q.float().view(N, K // 32, 32) * d[..., None]).view(N, K)
+    return wd, lambda x: kernels.q8_matmul(x, *packed)
+
+
+def check_matmul(kernels, seed: int, M: int, N: int, blocks: int, strided: bool,
+                 fmt: str = "q8") -> None:
+    g = torch.Generator().manual_seed(seed)
+    K = 32 * blocks
+    wd, matmul = _quantized_weight(kernels, fmt, g, N, K)
     x = torch.randn(M, K + 8 * strided, generator=g)[:, :K]  # rows of a wider buffer
-    wd = (q.float().view(N, blocks, 32) * d[..., None]).view(N, K)
     want = (x.double() @ wd.double().T).float()
     # The SIMD paths round x to int16 blocks: each value by at most half a step of
     # its block's largest |x| / 32767; the rest is float32 summation.
     step = x.abs().view(M, blocks, 32).amax(-1) / 32767
     bound = (0.5 * step.repeat_interleave(32, dim=1)) @ wd.abs().T
-    got = kernels.q8_matmul(x, *kernels.q8_pack(q, d))
+    got = matmul(x)
     assert got.shape == (M, N)
     assert ((got - want).abs() <= bound + 1e-5 * (x.abs() @ wd.abs().T) + 1e-6).all()
+
+
+def random_q5(g: torch.Generator, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random codes and fp16 scales, rows of different magnitudes."""
+    codes = torch.randint(0, 32, (N, K), generator=g, dtype=torch.uint8)
+    d = (torch.rand(N, K // 32, generator=g) * torch.rand(N, 1, generator=g)).half()
+    return codes, d
 
 
 # Any M (tiles of 4 rows and their remainders), N not a multiple of the 2-column tile or of
@@ -31,12 +51,12 @@ def check_q8_matmul(kernels, seed: int, M: int, N: int, blocks: int, strided: bo
 @given(seed=st.integers(0, 2**16), M=st.integers(1, 13), N=st.integers(1, 150),
        blocks=st.integers(1, 24), strided=st.booleans())
 def test_q8_matmul_matches_dequantized_torch(kernels, seed, M, N, blocks, strided):
-    check_q8_matmul(kernels, seed, M, N, blocks, strided)
+    check_matmul(kernels, seed, M, N, blocks, strided)
 
 
 @pytest.mark.parametrize("M", [0, 1, 5, 32, 67])
 def test_q8_matmul_at_batch_and_prefill_sizes(kernels, M):
-    check_q8_matmul(kernels, M, M, 133, 20, strided=M % 2 == 1)
+    check_matmul(kernels, M, M, 133, 20, strided=M % 2 == 1)
 
 
 def test_q8_blocks_round_trip_a_q8_0_tensor_exactly():
