@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.kernels.q5 import q5_dequantize
+from kvserve.kernels.q5 import q5_blocks, q5_dequantize
 from kvserve.models.quant import q8_blocks
 
 
@@ -71,14 +71,22 @@ def test_q8_blocks_round_trip_a_q8_0_tensor_exactly():
     torch.testing.assert_close(d2, d, rtol=1e-6, atol=0)
 
 
-def test_q8_matmul_refuses_bad_shapes(kernels):
-    q, d = kernels.q8_pack(*q8_blocks(torch.randn(4, 64)))
-    with pytest.raises(ValueError, match="q8_matmul"):
-        kernels.q8_matmul(torch.randn(5, 160), q, d)  # packed for K = 64
-    with pytest.raises(ValueError, match="q8_matmul"):
-        kernels.q8_matmul(torch.randn(1, 64).bfloat16(), q, d)
-    with pytest.raises(ValueError, match="q8_pack"):
-        kernels.q8_pack(torch.zeros(4, 48, dtype=torch.int8), torch.zeros(4, 1))
+# Each format: its rounding, and the dtypes of its codes and scales.
+FORMATS = {"q8": (q8_blocks, torch.int8, torch.float32), "q5": (q5_blocks, torch.uint8,
+                                                                torch.float16)}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_matmul_refuses_bad_shapes(kernels, fmt):
+    blocks, codes, scales = FORMATS[fmt]
+    pack, matmul = getattr(kernels, f"{fmt}_pack"), getattr(kernels, f"{fmt}_matmul")
+    q, d = pack(*blocks(torch.randn(4, 64)))
+    with pytest.raises(ValueError, match=f"{fmt}_matmul"):
+        matmul(torch.randn(5, 160), q, d)  # packed for K = 64
+    with pytest.raises(ValueError, match=f"{fmt}_matmul"):
+        matmul(torch.randn(1, 64).bfloat16(), q, d)
+    with pytest.raises(ValueError, match=f"{fmt}_pack"):
+        pack(torch.zeros(4, 48, dtype=codes), torch.zeros(4, 1, dtype=scales))
 
 
 @pytest.mark.parametrize("k", [32, 96, 640])

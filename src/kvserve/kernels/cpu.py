@@ -217,16 +217,15 @@ class CpuKernels:
                 or Kp != -(-K // self.Q8_GROUP) * self.Q8_GROUP or d.shape != (N, Kp // 32)):
             raise ValueError("q8_matmul: x float32 [M, K], K a multiple of 32, and q, d "
                              "from q8_pack for that K")
-        return self._qmatmul(self.lib.kvs_q8_matmul, _ptr(q, torch.int8),
-                             _ptr(d, torch.float32), x, N)
+        return self._qmatmul("q8", _ptr(q, torch.int8), _ptr(d, torch.float32), x, N)
 
-    @staticmethod
-    def _qmatmul(fn, q: int, d: int, x: torch.Tensor, N: int) -> torch.Tensor:  # noqa: ANN001
-        """Run a checked block-quantized matmul entry point (q8 or q5) into a new [M, N]."""
+    def _qmatmul(self, kind: str, q: int, d: int, x: torch.Tensor, N: int) -> torch.Tensor:
+        """Run kvs_<kind>_matmul (q8 or q5) on checked arguments into a new [M, N]."""
         M, K = x.shape
         y = torch.empty((M, N), dtype=torch.float32)
+        fn = getattr(self.lib, f"kvs_{kind}_matmul")
         if fn(q, d, x.data_ptr(), x.stride(0), M, N, K, y.data_ptr(), torch.get_num_threads()):
-            raise MemoryError("qmatmul: no scratch memory")
+            raise MemoryError(f"{kind}_matmul: no scratch memory")
         return y
 
     Q5_GROUP_BYTES = 80  # a packed Q5_0 group of 128 weights: 64 nibble bytes + 16 of bits
@@ -271,8 +270,7 @@ class CpuKernels:
                 or q.shape != (N, groups * self.Q5_GROUP_BYTES) or d.shape != (N, groups * 4)):
             raise ValueError("q5_matmul: x float32 [M, K], K a multiple of 32, and q, d "
                              "from q5_pack for that K")
-        return self._qmatmul(self.lib.kvs_q5_matmul, _ptr(q, torch.uint8),
-                             _ptr(d, torch.float16), x, N)
+        return self._qmatmul("q5", _ptr(q, torch.uint8), _ptr(d, torch.float16), x, N)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """First index of each row's maximum, logits [B, V] contiguous -> int64 [B]."""

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from kvserve.cpu_features import bf16_native, cpu_flags
-from kvserve.kernels.cpu import cpu_kernels
+from kvserve.kernels.cpu import CpuKernels, cpu_kernels
 
 QUANTIZATIONS = ("auto", "none", "q8", "q8+bf16", "fp16", "int8")
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
@@ -121,43 +121,59 @@ def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.round_().to(torch.int8).view(n, k), d.contiguous()
 
 
-class Q8Linear:
-    """x @ weight.T with the weight in Q8_0 blocks (1.125 bytes a weight as kernels/qmatmul.c
-    lays them out), read by our kernel at every step size: decode, where reading the weight
-    is the cost and Q8_0 reads half of fp16's bytes, and batches, where its int16
-    multiply-adds run about as fast as fbgemm's fp16 GEMM (benchmarks/cpu_linears.py). One
-    copy of each weight, and no fp16 packing at start."""
+class BlockLinear:
+    """x @ weight.T with the weight in blocks of 32 (KIND: q8 or q5) as kernels/qmatmul.c
+    lays them out, read by our kernel at every step size. One copy of each weight."""
+
+    KIND = ""
+    KEYS = ("q", "d")  # the names of its blocks and scales in a saved packed form
 
     def __init__(self, weight: torch.Tensor) -> None:
-        kernels = cpu_kernels()
-        if kernels is None:
-            raise RuntimeError("q8 needs kvserve's C kernels, which did not build here")
-        self.kernels = kernels
-        self.q, self.d = kernels.q8_quantize(weight.detach().float().contiguous())
+        self.kernels = self._kernels()
+        self.q, self.d = self._quantize(weight.detach().float().contiguous())
         self.out_features, self.in_features = weight.shape
 
     @classmethod
-    def from_packed(cls, q: torch.Tensor, d: torch.Tensor, in_features: int) -> Q8Linear:
-        """The layer over blocks q8_quantize made before (a saved copy: models/packed.py)."""
+    def _kernels(cls) -> CpuKernels:
         kernels = cpu_kernels()
         if kernels is None:
-            raise RuntimeError("q8 needs kvserve's C kernels, which did not build here")
+            raise RuntimeError(f"{cls.KIND} needs kvserve's C kernels, which did not build here")
+        return kernels
+
+    def _quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_packed(cls, q: torch.Tensor, d: torch.Tensor, in_features: int) -> BlockLinear:
+        """The layer over blocks its _quantize made before (a saved copy: models/packed.py)."""
         self = cls.__new__(cls)
-        self.kernels, self.q, self.d = kernels, q, d
+        self.kernels, self.q, self.d = cls._kernels(), q, d
         self.out_features, self.in_features = q.shape[0], in_features
         return self
 
     def packed_state(self) -> dict[str, torch.Tensor]:
         """What from_packed takes back (with in_features)."""
-        return {"q": self.q, "d": self.d}
+        return dict(zip(self.KEYS, (self.q, self.d), strict=True))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()
-        y = self.kernels.q8_matmul(rows, self.q, self.d).view(*x.shape[:-1], self.out_features)
+        matmul = getattr(self.kernels, f"{self.KIND}_matmul")
+        y = matmul(rows, self.q, self.d).view(*x.shape[:-1], self.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def nbytes(self) -> int:
-        return self.q.numel() + self.d.numel() * 4
+        return self.q.numel() + self.d.numel() * self.d.element_size()
+
+
+class Q8Linear(BlockLinear):
+    """Q8_0 blocks (1.125 bytes a weight): decode, where reading the weight is the cost and
+    Q8_0 reads half of fp16's bytes, and batches, where its int16 multiply-adds run about as
+    fast as fbgemm's fp16 GEMM (benchmarks/cpu_linears.py). No fp16 packing at start."""
+
+    KIND = "q8"
+
+    def _quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.q8_quantize(weight)
 
 
 def serves_q5() -> bool:
@@ -165,20 +181,20 @@ def serves_q5() -> bool:
     return cpu_kernels() is not None and "avx512bw" in cpu_flags()
 
 
-class Q5Linear:
-    """x @ weight.T with the weight in Q5_0 blocks (0.6875 bytes a weight: 5-bit codes, one
-    fp16 scale a block of 32), read by our kernel (qmatmul.c) the way Q8_0 is. A decode step
-    reads each weight once, so a GGUF's own Q5_0 tensors (Gemma 3 270M Q4_K_M: q/k/v,
-    gate and up) read 0.61x Q8_0's bytes, with no rounding: `exact` gives them back as
-    the file had them, and None for a weight that is not Q5_0 already."""
+class Q5Linear(BlockLinear):
+    """Q5_0 blocks (0.6875 bytes a weight: 5-bit codes, one fp16 scale a block of 32), read
+    the way Q8_0 is. A decode step reads each weight once, so a GGUF's own Q5_0 tensors
+    (Gemma 3 270M Q4_K_M: q/k/v, gate and up) read 0.61x Q8_0's bytes, with no rounding:
+    `exact` gives them back as the file had them, and None for a weight that is not Q5_0
+    already."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        kernels = cpu_kernels()
-        if kernels is None:
-            raise RuntimeError("q5 needs kvserve's C kernels, which did not build here")
-        self.kernels = kernels
-        self.q, self.d, self.inexact = kernels.q5_quantize(weight.detach().float().contiguous())
-        self.out_features, self.in_features = weight.shape
+    KIND = "q5"
+    KEYS = ("q5", "d5")
+    inexact = 0  # weights the blocks do not hold exactly (a saved copy was exact)
+
+    def _quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, d, self.inexact = self.kernels.q5_quantize(weight)
+        return q, d
 
     @classmethod
     def exact(cls, weight: torch.Tensor) -> Q5Linear | None:
@@ -193,26 +209,6 @@ class Q5Linear:
             return None
         linear = cls(weight)
         return None if linear.inexact else linear
-
-    @classmethod
-    def from_packed(cls, q: torch.Tensor, d: torch.Tensor, in_features: int) -> Q5Linear:
-        """The layer over blocks q5_quantize made before (a saved copy: models/packed.py)."""
-        self = cls.__new__(cls)
-        self.kernels, self.q, self.d, self.inexact = cpu_kernels(), q, d, 0
-        self.out_features, self.in_features = q.shape[0], in_features
-        return self
-
-    def packed_state(self) -> dict[str, torch.Tensor]:
-        """What from_packed takes back (with in_features)."""
-        return {"q5": self.q, "d5": self.d}
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        y = self.kernels.q5_matmul(rows, self.q, self.d).view(*x.shape[:-1], self.out_features)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
-
-    def nbytes(self) -> int:
-        return self.q.numel() + self.d.numel() * 2
 
 
 class Int8Linear:
@@ -259,7 +255,7 @@ class Q8Bf16Linear:
     SMALL = 16
 
     def __init__(self, weight: torch.Tensor, small: Q5Linear | None = None) -> None:
-        self.q8: Q8Linear | Q5Linear = small or Q8Linear(weight)  # a Q5_0 weight's own blocks
+        self.q8: BlockLinear = small or Q8Linear(weight)  # a Q5_0 weight's own blocks
         self._init_bf16(weight.detach().bfloat16().contiguous())
 
     def _init_bf16(self, bf16: torch.Tensor) -> None:
@@ -271,7 +267,7 @@ class Q8Bf16Linear:
         self.out_features, self.in_features = bf16.shape
 
     @classmethod
-    def from_packed(cls, small: Q8Linear | Q5Linear, bf16: torch.Tensor) -> Q8Bf16Linear:
+    def from_packed(cls, small: BlockLinear, bf16: torch.Tensor) -> Q8Bf16Linear:
         """The layer over a saved few-row copy and bf16 weight (models/packed.py)."""
         self = cls.__new__(cls)
         self.q8 = small
@@ -308,7 +304,7 @@ class Q8Bf16Linear:
         return self.q8.nbytes() + self.out_features * self.in_features * 2
 
 
-QuantLinear = Fp16Linear | Q8Linear | Q5Linear | Q8Bf16Linear | Int8Linear
+QuantLinear = Fp16Linear | BlockLinear | Q8Bf16Linear | Int8Linear
 _KINDS: dict[str, type[QuantLinear]] = {"fp16": Fp16Linear, "q8": Q8Linear,
                                         "q8+bf16": Q8Bf16Linear, "int8": Int8Linear}
 
@@ -328,10 +324,8 @@ def quantized(weight: torch.Tensor, mode: str) -> QuantLinear:
 
 def from_packed(mode: str, parts: dict[str, torch.Tensor], in_features: int) -> QuantLinear:
     """A q8 or q8+bf16 layer over the parts its packed_state gave."""
-    if "q5" in parts:
-        small: Q8Linear | Q5Linear = Q5Linear.from_packed(parts["q5"], parts["d5"], in_features)
-    else:
-        small = Q8Linear.from_packed(parts["q"], parts["d"], in_features)
+    kind = Q5Linear if "q5" in parts else Q8Linear
+    small = kind.from_packed(*(parts[k] for k in kind.KEYS), in_features)
     if mode == "q8":
         return small
     if mode == "q8+bf16":
