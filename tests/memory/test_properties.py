@@ -160,6 +160,25 @@ class MemoryCore(RuleBasedStateMachine):
         (self.mgr.abort if abort else self.mgr.finish)(rid)
         assert rid not in self.mgr.reqs
 
+    @rule(back=st.integers(0, 30))
+    def idle(self, back):
+        """Give back what idled `back` steps: cached large pages whose key is older go,
+        the rest of the cache and every request's pages stay."""
+        mgr, a = self.mgr, self.mgr.alloc
+        before = mgr.now + 1 - back
+        young = {(s, p) for s, sp in enumerate(a.specs) for p in range(len(sp.hash))
+                 if sp.hash[p] is not None and (a.used[p // sp.k] or a.ltime[p // sp.k] >= before)}
+        tables = {rid: copy.deepcopy(r.tables) for rid, r in mgr.reqs.items()}
+        free = mgr.idle_pages(before)
+        assert sorted(free) == sorted(sum(a.free_large, []))
+        assert all(a.owner[lp] < 0 for lp in free)
+        for lp, (s, u) in enumerate(zip(a.owner, a.used)):
+            assert s < 0 or u or a.ltime[lp] >= before, "an idle large page stayed cached"
+        kept = {(s, p) for s, sp in enumerate(a.specs) for p in range(len(sp.hash))
+                if sp.hash[p] is not None}
+        assert young <= kept, "a cached page used since `before` was evicted"
+        assert {rid: r.tables for rid, r in mgr.reqs.items()} == tables
+
     # --------------------------------------------------------- invariants
 
     @invariant()

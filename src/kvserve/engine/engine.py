@@ -225,6 +225,7 @@ class LLMEngine:
         self._detok: dict[str, DetokState] = {}
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
         self._next_release = 0.0  # monotonic time of the next idle-memory check
+        self._polls: deque[tuple[float, int]] = deque()  # (monotonic s, kv.now) at each check
         # Decode-only steps of a cluster instance (one with a lender): (batch, full-
         # attention blocks held here, seconds), what Infinite-LLM's performance model
         # (cluster/placement.py, Eq. 5) is fitted on.
@@ -248,7 +249,7 @@ class LLMEngine:
         """How long an idle caller may block before `maybe_release_idle` has work (None: ever).
 
         A quarter of the idle timeout: memory unused for `kv_idle_release_s`
-        is returned within 1.25 x that; the paged pool never gives memory back.
+        is returned within 1.25 x that.
         """
         idle = self.cfg.kv_idle_release_s
         if not self.runner.releases_memory or math.isinf(idle):
@@ -256,18 +257,33 @@ class LLMEngine:
         return max(idle / 4, 0.01)
 
     def maybe_release_idle(self, now: float | None = None) -> int:
-        """Give back KV memory unused for `kv_idle_release_s`; returns the bytes punched.
+        """Give back KV memory unused for `kv_idle_release_s`; returns the bytes returned.
 
         Cheap to call between any two steps: it does work at most once per
-        `idle_poll_s()`, and only drops what no running request maps (cached
-        vTensors and prefix chunks last used that long ago).
+        `idle_poll_s()`, and only drops what no running request holds: under
+        vtensor cached vTensors and prefix chunks last used that long ago; under
+        the paged pool the large pages no one holds, after evicting the cached
+        ones whose eviction key is that old (so what the cache would give up
+        first goes first, as under memory pressure).
         """
         poll = self.idle_poll_s()
         now = time.monotonic() if now is None else now
         if poll is None or now < self._next_release:
             return 0
         self._next_release = now + poll
-        return self.runner.trim(self.cfg.kv_idle_release_s)
+        if self.mempool is None:
+            return self.runner.trim(self.cfg.kv_idle_release_s)
+        return self.mempool.give_back(self._step_before(now, self.cfg.kv_idle_release_s))
+
+    def _step_before(self, now: float, idle_s: float) -> int | None:
+        """A step of the memory core's clock such that every key below it was last used
+        `idle_s` before `now` or earlier: the clock at the latest poll made by then, plus
+        one (polls run between steps). None: no poll is that old yet."""
+        polls, cutoff = self._polls, now - idle_s
+        polls.append((now, self.kv.now))
+        while len(polls) > 1 and polls[1][0] <= cutoff:
+            polls.popleft()
+        return polls[0][1] + 1 if polls[0][0] <= cutoff else None
 
     # ---------------------------------------------------------------- requests
 

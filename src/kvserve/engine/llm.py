@@ -17,8 +17,8 @@ class LLM:
 
     kv_memory is the KV pool size: bytes (int) or a fraction of free memory.
     kv_backend: "paged" (default) or "vtensor" (contiguous virtual KV, plain SDPA).
-    kv_idle_release_s (an engine arg): under vtensor, KV memory unused this long goes
-    back to the OS when `generate` finds it (default 60 s; see EngineConfig).
+    kv_idle_release_s (an engine arg): KV memory unused this long goes back to the OS
+    (a CPU) when `generate` finds it (default 60 s; see EngineConfig).
     host_kv_memory (an engine arg): bytes of host memory keeping what the KV pool evicts.
     """
 

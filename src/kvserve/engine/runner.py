@@ -163,15 +163,17 @@ class ModelRunner:
 
     @property
     def releases_memory(self) -> bool:
-        """Whether `trim` can give memory back: the paged pool is allocated once."""
-        return isinstance(self.attn, VirtualAttention)
+        """Whether KV memory can go back to the OS: vTensors, or a paged pool over a memfd
+        (a CPU; on a GPU the paged pool is one allocation)."""
+        return self.pool is None or self.pool.memory.elastic
 
     def vtensor_stats(self) -> dict[str, int] | None:
         """The vTensor memory (`VirtualAttention.stats`), or None under the paged pool."""
         return self.attn.stats() if isinstance(self.attn, VirtualAttention) else None
 
     def trim(self, idle_s: float) -> int:
-        """Give back KV memory unused for `idle_s` seconds; returns the bytes punched."""
+        """vtensor: give back KV memory unused for `idle_s` seconds; returns the bytes
+        punched (the paged pool's goes through MemPool.give_back)."""
         if isinstance(self.attn, VirtualAttention):
             return self.attn.trim(idle_s)
         return 0

@@ -21,7 +21,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "GGUF on a CPU (q8; q8+bf16 where bf16 runs natively: Q8_0 for "
                         "decode, bf16 for batches), none serves them in --dtype")
     p.add_argument("--kv-backend", default="paged", choices=["paged", "vtensor"],
-                   help="where KV data lives: paged (one fixed pool, paged attention) or "
+                   help="where KV data lives: paged (one pool of pages, paged attention) or "
                         "vtensor (per-request contiguous virtual tensors, plain SDPA; CPU)")
     p.add_argument("--host-kv-memory", default=None, metavar="BYTES",
                    help="host tier: bytes of host memory ('8G') keeping cached prefixes the KV "
@@ -32,9 +32,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="host tier: a saved exec(x, y) profile (benchmarks/cost_model.py "
                         "--save); loads only what beats recomputing (MemServe Eq. 2)")
     p.add_argument("--kv-idle-release-s", type=idle_seconds, default=None, metavar="SECONDS",
-                   help="vtensor: KV memory (cached prefixes) unused this long goes back to "
-                        "the OS; 'inf' never, 0 as soon as no request maps it (default 60: "
-                        "above a chat user's think time, so a next turn still hits its prefix)")
+                   help="KV memory (cached prefixes, free pages) unused this long goes back "
+                        "to the OS (CPU); 'inf' never, 0 as soon as no request holds it "
+                        "(default 60: above a chat user's think time, so a next turn still "
+                        "hits its prefix)")
 
 
 def parse_memory(text: str | None) -> int | float | None:

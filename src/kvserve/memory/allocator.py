@@ -69,6 +69,12 @@ class LRUQueue:
         else:
             heapq.heappush(self.heap, entry)
 
+    def peek(self) -> tuple:
+        heap, fifo = self.heap, self.fifo
+        if heap and (not fifo or heap[0] < fifo[0]):
+            return heap[0]
+        return fifo[0]
+
     def pop(self) -> tuple:
         heap, fifo = self.heap, self.fifo
         if heap and (not fifo or heap[0] < fifo[0]):
@@ -658,6 +664,24 @@ class TwoLevelAllocator:
                     self.lstamp[lp] += 1
                     entry = (now, next(self._pushes), lp, self.lstamp[lp])
                     self.lru_large[self.part[s]].push(entry)
+
+    def evict_before(self, key: int) -> int:
+        """Evict every unused large page whose eviction key is below `key` onto the free
+        list (cache idle that long, whose memory is to go back); returns the cached
+        pages that went."""
+        before = sum(len(sp.cached) for sp in self.specs)
+        lstamp, used, owner = self.lstamp, self.used, self.owner
+        for queue, free in zip(self.lru_large, self.free_large):
+            while queue and queue.peek()[0] < key:
+                _, _, lp, stamp = queue.pop()
+                if stamp == lstamp[lp] and used[lp] == 0 and owner[lp] >= 0:
+                    self._evict_large(lp)
+                    free.append(lp)
+        return before - sum(len(sp.cached) for sp in self.specs)
+
+    def free_large_pages(self) -> list[int]:
+        """Every large page no spec owns: they hold no KV."""
+        return [lp for free in self.free_large for lp in free]
 
     def evict(self, m: int) -> int:
         """Evict up to m unused large pages per partition, least recently used first, onto

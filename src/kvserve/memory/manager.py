@@ -175,6 +175,14 @@ class KVCacheManager:
         self.now += 1
         return self.now
 
+    def idle_pages(self, before: int | None) -> list[int]:
+        """Evict the cached pages whose eviction key is below step `before` (idle that
+        long; None: none); returns every large page no one holds now, whose memory can
+        go back."""
+        if before is not None:
+            self.alloc.evict_before(before)
+        return self.alloc.free_large_pages()
+
     # --------------------------------------------------------------- requests
 
     def add_request(

@@ -75,6 +75,14 @@ class MemPool:
         self._behind = _Copier(batch, self._copy)
         self._behind.start()
 
+    def give_back(self, before: int | None) -> int:
+        """Evict the device pages cached with keys below step `before` (None: none), then
+        return the memory of every device large page no one holds to the OS; returns
+        the bytes returned. Evictions' copies to the host tier are made first."""
+        free = self.kv.idle_pages(before)
+        self.flush()
+        return self.device.give_back(free)
+
     def _join(self) -> None:
         if self._behind is not None:
             behind, self._behind = self._behind, None

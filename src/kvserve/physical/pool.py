@@ -9,6 +9,14 @@ per-layer paged cache (Jenga §4.2: start pointer + page stride). K and V are
 separate blocks of a page so that gathering a sequence's keys (or values)
 yields one contiguous [tokens, kv_heads, head_dim] tensor.
 
+The bytes are elastic on a CPU: a memfd mapped once, whose blocks exist only
+where a page was written (the OS allocates them on first touch), so memory
+follows use; `give_back` punches the large pages the memory core no longer
+holds (free, or cached and unused past --kv-idle-release-s) and their memory
+returns to the OS. Large pages are the physical chunks: large page i is the
+file range [i * L, (i + 1) * L). A punched page reads as zeros again, as a
+fresh one does. On a GPU the pool is one allocation, kept.
+
 A state spec (Mamba) has no tokens: its page holds one sequence's state of every
 layer of the spec, [layer, part...], each layer's parts (a Mamba layer's conv and SSM
 states) one after the other; a part's view is [num_pages, *part shape].
@@ -18,6 +26,9 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
+import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +74,8 @@ class KVPool:
     ) -> None:
         self.layout = layout
         self.device = torch.device(device)
-        self.buffer = zeroed_bytes(num_large_pages * layout.large_page_bytes, self.device)
+        self.memory = PoolMemory(num_large_pages * layout.large_page_bytes, self.device)
+        self.buffer = self.memory.tensor
         self.views: dict[str, list[torch.Tensor]] = {}  # attention specs
         self.states: dict[str, list[tuple[torch.Tensor, ...]]] = {}  # state specs
         for s, spec in enumerate(layout.specs):
@@ -130,6 +142,72 @@ class KVPool:
         """[num_pages, 2, T, kv_heads, head_dim] view of one layer of one spec."""
         return self.views[spec_name][index]
 
+    def give_back(self, free: Iterable[int]) -> int:
+        """Return the memory of free large pages to the OS; returns the bytes it held.
+
+        Only pages with memory behind them are punched (the file's extents say which),
+        so an idle poll over a pool given back already costs a few system calls.
+        """
+        if not self.memory.elastic:
+            return 0
+        size = self.layout.large_page_bytes
+        todo = sorted(set(free) & self.memory.written(size))
+        before = self.memory.physical_bytes()
+        for first, count in runs(todo):
+            self.memory.punch(first * size, count * size)
+        return before - self.memory.physical_bytes()
+
+    def physical_bytes(self) -> int:
+        """Memory the pool holds now (on a GPU: all of it)."""
+        return self.memory.physical_bytes()
+
+
+class PoolMemory:
+    """The pool's bytes: on a Linux CPU a sparse memfd mapped shared, else one tensor.
+
+    madvise(MADV_REMOVE) on a shared file mapping punches a hole in the file: the
+    blocks go back to the OS, the mapping stays valid and reads zeros. No view can
+    fault and no mapping changes, so punching needs no care for live tensors.
+    """
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self.elastic = device.type == "cpu" and nbytes > 0 and hasattr(os, "memfd_create") \
+            and hasattr(mmap, "MADV_REMOVE")
+        if not self.elastic:
+            self.fd, self.area = -1, None
+            self.tensor = zeroed_bytes(nbytes, device)
+            return
+        self.fd = os.memfd_create("kvserve-kv-pool", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, nbytes)  # sparse: no block exists before it is written
+        self.area = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED)
+        self.tensor = torch.frombuffer(self.area, dtype=torch.uint8)
+        weakref.finalize(self, os.close, self.fd)
+
+    def punch(self, offset: int, nbytes: int) -> None:
+        """Free the whole OS pages inside [offset, offset + nbytes)."""
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self.area.madvise(mmap.MADV_REMOVE, start, end - start)
+
+    def written(self, unit: int) -> set[int]:
+        """Indices of the `unit`-byte blocks with memory behind any of their bytes."""
+        out: set[int] = set()
+        end = 0
+        while True:
+            try:
+                start = os.lseek(self.fd, end, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data past `end`
+                return out
+            end = os.lseek(self.fd, start, os.SEEK_HOLE)
+            out.update(range(start // unit, (end - 1) // unit + 1))
+
+    def physical_bytes(self) -> int:
+        if not self.elastic:
+            return self.nbytes
+        return os.fstat(self.fd).st_blocks * 512
+
 
 def zeroed_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     """nbytes of zeros. On a CPU, fresh private anonymous pages, which the kernel zero-fills
@@ -145,3 +223,14 @@ def zeroed_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
 def page_rows(buffer: torch.Tensor, layout: Layout, s: int) -> torch.Tensor:
     """A byte buffer of whole large pages seen as spec s's small pages, one per row."""
     return buffer.view(-1, layout.page_bytes[s])
+
+
+def runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(first, count) of each run of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs

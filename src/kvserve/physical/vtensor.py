@@ -63,6 +63,8 @@ from heapq import heappop, heappush
 
 import torch
 
+from kvserve.physical.pool import runs as _runs
+
 DEFAULT_CHUNK_BYTES = 2 << 20  # the paper's 2 MiB, also a huge page on x86-64
 PAGE_BYTES = mmap.PAGESIZE
 
@@ -375,17 +377,6 @@ class ChunkPool:
             self.backend.punch(first, count)
         self.dirty.clear()
         return sum(count for _, count in runs) * self.chunk_bytes
-
-
-def _runs(chunks: Sequence[int]) -> list[tuple[int, int]]:
-    """(first, count) of each run of consecutive ids, in order."""
-    runs: list[tuple[int, int]] = []
-    for c in chunks:
-        if runs and runs[-1][0] + runs[-1][1] == c:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((c, 1))
-    return runs
 
 
 # ------------------------------------------------------------------ vSet entry

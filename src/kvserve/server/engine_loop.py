@@ -207,7 +207,7 @@ class EngineLoop:
                 return commands
 
     def _release_idle(self) -> None:
-        """Give back KV memory unused for --kv-idle-release-s (a no-op under the paged pool).
+        """Give back KV memory unused for --kv-idle-release-s.
 
         Called after every step and every idle wake-up; the engine rate-limits it.
         """
@@ -258,6 +258,7 @@ class EngineLoop:
             prompt_tokens=e.counters["prompt_tokens"],
             generation_tokens=e.counters["generation_tokens"],
             vtensor=e.runner.vtensor_stats(),
+            kv_physical_bytes=None if e.runner.pool is None else e.runner.pool.physical_bytes(),
         )
 
     def _step(self) -> None:

@@ -37,6 +37,7 @@ class EngineSnapshot:
     prompt_tokens: int
     generation_tokens: int
     vtensor: dict[str, int] | None = None  # VirtualAttention.stats(); None: paged backend
+    kv_physical_bytes: int | None = None  # memory the paged pool holds; None: vtensor
 
 
 UNASSIGNED = "unassigned"  # layer_type label of free large pages no layer type holds yet
@@ -95,7 +96,12 @@ def _kv_families(s: EngineSnapshot) -> Iterator[Metric]:
         waste.add_metric([spec.name], spec.waste)
     free.add_metric([UNASSIGNED], s.kv.free)
     yield from (used, evictable, free, waste)
-    yield _gauge("kvserve_kv_pool_bytes", "Size of the KV pool", s.kv.pool_bytes)
+    yield _gauge("kvserve_kv_pool_bytes", "Size of the KV pool (a ceiling on a CPU: memory "
+                 "is taken as pages are written)", s.kv.pool_bytes)
+    if s.kv_physical_bytes is not None:
+        yield _gauge("kvserve_kv_physical_bytes",
+                     "Memory the paged KV pool holds now: pages written since they were last "
+                     "given back; falls back after --kv-idle-release-s", s.kv_physical_bytes)
     usage = s.kv.used / s.kv.pool_bytes if s.kv.pool_bytes else 0.0
     yield _gauge("kvserve_kv_usage_ratio", "Fraction of the KV pool held by requests", usage)
 

@@ -1,10 +1,13 @@
-"""vtensor memory given back: --kv-idle-release-s, the EngineLoop's idle wake-up, /metrics.
+"""KV memory given back: --kv-idle-release-s, the EngineLoop's idle wake-up, /metrics,
+under both backends.
 
 The real Gemma 3 270M (session fixture). Physical bytes are the memfd's
-allocated blocks (`stats()["physical_bytes"]`); the process's RssShmem counts
-the same pages while they are mapped, so it falls with them (RssAnon moves
-with torch's allocator and is not asserted on). The pools' clock is replaced
-by a fake one where a test needs "idle for that long" without sleeping.
+allocated blocks (vtensor: `stats()["physical_bytes"]`, paged: the pool's
+`physical_bytes()`); the process's RssShmem counts the same pages while they
+are mapped, so it falls with them (RssAnon moves with torch's allocator and is
+not asserted on). The pools' clock is replaced by a fake one (vtensor) or the
+engine is handed the time (paged) where a test needs "idle for that long"
+without sleeping.
 """
 
 from __future__ import annotations
@@ -94,9 +97,13 @@ def test_memory_stays_until_idle_then_goes_back(kv, prompt):
     assert attn.recomputed_tokens == 192
 
 
-def test_engine_loop_gives_idle_memory_back(kv, prompt):
+@pytest.mark.parametrize("backend", ["vtensor", "paged"])
+def test_engine_loop_gives_idle_memory_back(kv, prompt, backend):
     """Idle, the loop wakes every idle_s / 4 and trims; /metrics shows it."""
-    engine = vtensor_engine(kv, idle_s=0.05)
+    cfg = EngineConfig(kv_memory=64 * MiB, kv_backend=backend, kv_idle_release_s=0.05)
+    engine = LLMEngine(kv.model, kv.tokenizer, cfg)
+    physical = {"vtensor": "kvserve_vtensor_physical_bytes",
+                "paged": "kvserve_kv_physical_bytes"}[backend]
     metrics = ServerMetrics()
     loop = EngineLoop(engine, metrics)
 
@@ -106,7 +113,7 @@ def test_engine_loop_gives_idle_memory_back(kv, prompt):
             pass
         seen = [gauges(metrics, await loop.snapshot())]
         deadline = time.monotonic() + 10
-        while seen[-1]["kvserve_vtensor_physical_bytes"] and time.monotonic() < deadline:
+        while seen[-1][physical] and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
             seen.append(gauges(metrics, await loop.snapshot()))
         return seen
@@ -116,7 +123,10 @@ def test_engine_loop_gives_idle_memory_back(kv, prompt):
         seen = asyncio.run(scenario())
     finally:
         loop.stop()
-    assert seen[-1]["kvserve_vtensor_physical_bytes"] == 0
+    assert seen[0][physical] > 0 and seen[-1][physical] == 0
+    if backend == "paged":
+        assert engine.kv.stats().evictable == 0  # the cache went too: idle past 0.05 s
+        return
     assert seen[-1]["kvserve_vtensor_reserved_bytes"] == 0
     assert seen[-1]["kvserve_vtensor_mapped_bytes"] == 0
     assert seen[-1]["kvserve_vtensor_capacity_bytes"] == 64 * MiB
@@ -141,10 +151,63 @@ def test_metrics_gauges_under_each_backend(kv, prompt):
     run(engine, "b", prompt)
     vt = gauges(metrics, EngineLoop(engine, metrics)._snapshot())
     assert vt["kvserve_vtensor_recomputed_tokens_total"] == attn.recomputed_tokens == 192
+    assert "kvserve_kv_physical_bytes" not in vt
     paged = LLMEngine(kv.model, kv.tokenizer, EngineConfig(kv_memory=64 * MiB))
-    assert paged.maybe_release_idle() == 0 and paged.idle_poll_s() is None
+    assert paged.idle_poll_s() == DEFAULT_IDLE_RELEASE_S / 4
+    generate(paged, "a", prompt)
     plain = gauges(metrics, EngineLoop(paged, metrics)._snapshot())
     assert not any(name.startswith("kvserve_vtensor_") for name in plain)
+    assert plain["kvserve_kv_physical_bytes"] == paged.runner.pool.physical_bytes() > 0
+    assert plain["kvserve_kv_pool_bytes"] == paged.kv.pool_bytes
+
+
+def generate(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[list[int], int]:
+    """Run one request to completion; (its tokens, prompt tokens it found cached)."""
+    engine.add_request(rid, {"prompt_token_ids": prompt}, PARAMS)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                return out.outputs[0].token_ids, out.num_cached_tokens
+    raise AssertionError(f"{rid} never finished")
+
+
+def test_paged_pool_takes_memory_as_written_and_gives_idle_memory_back(kv, prompt):
+    engine = LLMEngine(kv.model, kv.tokenizer,
+                       EngineConfig(kv_memory=64 * MiB, kv_idle_release_s=60.0))
+    pool, t = engine.runner.pool, time.monotonic()
+    assert pool.physical_bytes() == 0 < engine.kv.pool_bytes  # a ceiling, not a reservation
+    first, cached = generate(engine, "a", prompt)
+    assert cached == 0
+    engine.maybe_release_idle(t)  # only pages no one holds go; the prefix stays cached
+    held, evictable = pool.physical_bytes(), engine.kv.stats().evictable
+    assert evictable > 0
+    assert held >= len(prompt) // 16 * 16 * 3 * 2048  # at least the full layers' prefix
+    shmem = rss_shmem()
+
+    again, cached = generate(engine, "b", prompt)  # 20 s later: a hit
+    assert (again, cached) == (first, 192)
+    engine.maybe_release_idle(t + 20)  # no poll 60 s old yet: the cache stays
+    assert engine.kv.stats().evictable == evictable
+
+    punched = engine.maybe_release_idle(t + 81)  # everything was last used by t + 20
+    assert punched >= held and pool.physical_bytes() == 0
+    assert rss_shmem() <= shmem - held // 2
+    assert engine.kv.stats().evictable == 0
+    assert engine.maybe_release_idle(t + 81.001) == 0  # rate-limited: idle_s / 4
+
+    last, cached = generate(engine, "c", prompt)  # the price: recomputed, the same tokens
+    assert (last, cached) == (first, 0)
+    assert pool.physical_bytes() > 0
+
+
+def test_paged_pool_never_gives_back_when_told_inf(kv, prompt):
+    engine = LLMEngine(kv.model, kv.tokenizer,
+                       EngineConfig(kv_memory=64 * MiB, kv_idle_release_s=math.inf))
+    generate(engine, "a", prompt)
+    held = engine.runner.pool.physical_bytes()
+    assert engine.idle_poll_s() is None
+    assert engine.maybe_release_idle(time.monotonic() + 1e6) == 0
+    assert engine.runner.pool.physical_bytes() == held
 
 
 def test_vtensor_never_maps_past_the_kv_budget(kv):
