@@ -4,6 +4,7 @@
     python benchmarks/vtensor_memory.py timeline [--idle 5] [--png docs/img/vtensor_memory.png]
     python benchmarks/vtensor_memory.py chunks
     python benchmarks/vtensor_memory.py steps
+    python benchmarks/vtensor_memory.py elastic
 
 bursty: Gemma 3 270M with `--kv-backend vtensor`, a 256 MiB ceiling and an
 idle release of `--idle` seconds; two bursts of 8 requests (prompts of
@@ -11,18 +12,20 @@ idle release of `--idle` seconds; two bursts of 8 requests (prompts of
 Prints physical / mapped / reserved KV bytes at the end of each burst and
 gap, and the peak.
 
-timeline (vtensor.md Fig. 11): the same engine under bursts of ShareGPT first
+timeline (vtensor.md Fig. 11): the engine under bursts of ShareGPT first
 exchanges (8, 3 and 12 requests, 30 s apart; each generates its answer's
-length, at most 96 tokens; `--idle` s idle release); samples the vTensor memory
-after every step and every 0.1 s while idle, and plots the physical bytes, the
-bytes running requests map, and the running batch against the paged
-backend's pool, which is reserved whole at start.
+length, at most 96 tokens; `--idle` s idle release), once with each KV backend;
+samples the KV memory after every step and every 0.1 s while idle, and plots
+the physical bytes, the bytes running requests hold, and the running batch.
 
 chunks: per chunk, pAlloc + Map of a chunk the memfd must first allocate (one
 at a time, and in runs of 16 as a prefill maps them) and of one a released
 vTensor left allocated (lazy release), the first write to each page, Unmap,
 and the punch-hole that gives the memory back: the engine's 64 KiB chunk and
 the paper's 2 MiB, with and without MAP_POPULATE.
+
+elastic: the paged pool over a memfd (given back when idle) against the
+private memory it was before: prefill and decode step times.
 
 steps: decode and prefill step time for the paged backend and for vtensor
 with and without Extend ahead, and where vtensor's maps happen (in `prepare`,
@@ -110,23 +113,36 @@ def sharegpt_requests(tokenizer, n: int, seed: int = 0, max_len: int = 400,
     raise RuntimeError(f"only {len(out)} ShareGPT exchanges of 16..{max_len} tokens")
 
 
-def timeline(model, tokenizer, idle_s: float, png: Path, bursts=(8, 3, 12),
-             every_s: float = 30.0, kv_memory: int = 256 * MiB) -> None:
-    engine = LLMEngine(model, tokenizer, EngineConfig(
-        kv_memory=kv_memory, kv_backend="vtensor", kv_idle_release_s=idle_s))
-    reqs = sharegpt_requests(tokenizer, sum(bursts))
-    attn = engine.runner.attn
-    # (t, physical, referenced, mapped, mapped by running requests (MiB), running requests)
-    rows: list[tuple[float, float, float, float, float, int]] = []
-    t0 = time.monotonic()
-
-    def sample() -> None:
+def held(engine: LLMEngine) -> tuple[float, float, int]:
+    """(physical KV MiB, MiB that running requests hold, running requests) of either backend."""
+    if engine.runner.pool is None:  # vtensor
+        attn = engine.runner.attn
         s = attn.stats()
         in_use = sum(len(vt.chunks) for pool in attn.pools for vt in pool.active.values())
-        rows.append((time.monotonic() - t0, s["physical_bytes"] / MiB,
-                     s["referenced_bytes"] / MiB, s["mapped_bytes"] / MiB,
-                     in_use * s["chunk_bytes"] / MiB, s["active"]))
+        return s["physical_bytes"] / MiB, in_use * s["chunk_bytes"] / MiB, s["active"]
+    return (engine.runner.pool.physical_bytes() / MiB, engine.kv.stats().used / MiB,
+            len(engine.scheduler.running))
 
+
+def timeline(model, tokenizer, idle_s: float, png: Path, bursts=(8, 3, 12),
+             every_s: float = 30.0, kv_memory: int = 256 * MiB) -> None:
+    runs = {}
+    for backend in ("vtensor", "paged"):
+        runs[backend] = one_timeline(model, tokenizer, backend, idle_s, bursts, every_s,
+                                     kv_memory)
+    plot_timeline(runs, [i * every_s for i in range(len(bursts))], bursts, idle_s,
+                  kv_memory / MiB, png)
+    print(f"wrote {png}")
+
+
+def one_timeline(model, tokenizer, backend: str, idle_s: float, bursts, every_s: float,
+                 kv_memory: int) -> list[tuple[float, float, float, int]]:
+    """The bursts through one backend; rows (t, physical, held by running, running)."""
+    engine = LLMEngine(model, tokenizer, EngineConfig(
+        kv_memory=kv_memory, kv_backend=backend, kv_idle_release_s=idle_s))
+    reqs = sharegpt_requests(tokenizer, sum(bursts))
+    rows: list[tuple[float, float, float, int]] = []
+    t0 = time.monotonic()
     starts = [i * every_s for i in range(len(bursts))]
     linger = idle_s * 1.25 + 3  # after the last answer: time for its memory to go back
     sent, k, last_busy = 0, 0, 0.0
@@ -143,51 +159,90 @@ def timeline(model, tokenizer, idle_s: float, png: Path, bursts=(8, 3, 12),
         else:
             time.sleep(0.1)
         engine.maybe_release_idle()
-        sample()
+        rows.append((time.monotonic() - t0, *held(engine)))
     peak = max(r[1] for r in rows)
     integral = sum(a[1] * (b[0] - a[0]) for a, b in zip(rows, rows[1:]))
     span = rows[-1][0] - rows[0][0]
-    print(f"{sum(bursts)} requests in bursts of {bursts}, {every_s:.0f} s apart, idle release "
-          f"{idle_s:g} s: peak physical {peak:.1f} MiB, mean {integral / span:.1f} MiB over "
-          f"{span:.0f} s (the paged pool: {kv_memory / MiB:.0f} MiB throughout), "
+    print(f"{backend}: {sum(bursts)} requests in bursts of {bursts}, {every_s:.0f} s apart, "
+          f"idle release {idle_s:g} s: peak physical {peak:.1f} MiB, mean "
+          f"{integral / span:.1f} MiB over {span:.0f} s (ceiling {kv_memory / MiB:.0f} MiB), "
           f"{rows[-1][1]:.1f} MiB at the end; {engine.scheduler.num_preemptions} preemptions "
-          f"(the memory core admits {engine.kv.pool_bytes / MiB:.0f} MiB of KV: core_budget)")
-    for t, phys, ref, mapped, in_use, active in rows[::max(1, len(rows) // 40)]:
-        print(f"  t={t:6.1f} s  physical {phys:6.1f}  referenced {ref:6.1f}  mapped "
-              f"{mapped:6.1f}  by running requests {in_use:6.1f} MiB  running {active}")
-    plot_timeline(rows, starts, bursts, idle_s, kv_memory / MiB, png)
-    print(f"wrote {png}")
+          f"(the memory core admits {engine.kv.pool_bytes / MiB:.0f} MiB of KV)")
+    for t, phys, in_use, active in rows[::max(1, len(rows) // 40)]:
+        print(f"  t={t:6.1f} s  physical {phys:6.1f}  held by running requests "
+              f"{in_use:6.1f} MiB  running {active}")
+    return rows
 
 
-def plot_timeline(rows, starts, bursts, idle_s: float, static_mib: float, png: Path) -> None:
+def plot_timeline(runs, starts, bursts, idle_s: float, ceiling_mib: float, png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t = [r[0] for r in rows]
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True,
                                  gridspec_kw={"height_ratios": [3, 1]})
-    ax.axhline(static_mib, color="tab:red", ls="--", lw=1.5,
-               label=f"paged pool: {static_mib:.0f} MiB reserved at start")
-    ax.fill_between(t, [r[1] for r in rows], color="tab:blue", alpha=0.35, step="post",
-                    label="physical (memfd blocks held: running, cached for reuse)")
-    ax.step(t, [r[4] for r in rows], where="post", color="tab:orange", lw=1.2,
-            label="mapped by running requests")
+    ax.axhline(ceiling_mib, color="tab:red", ls="--", lw=1.5,
+               label=f"--kv-memory {ceiling_mib:.0f} MiB: the ceiling (reserved whole at "
+                     "start before the paged pool became elastic)")
+    colors = {"vtensor": "tab:blue", "paged": "tab:green"}
+    top = ceiling_mib
+    for backend, rows in runs.items():
+        t = [r[0] for r in rows]
+        ax.step(t, [r[1] for r in rows], where="post", color=colors[backend], lw=1.5,
+                label=f"{backend}: physical (held: running, cached for reuse)")
+        ax.step(t, [r[2] for r in rows], where="post", color=colors[backend], lw=0.8,
+                ls=":", label=f"{backend}: held by running requests")
+        bx.step(t, [r[3] for r in rows], where="post", color=colors[backend], lw=1)
+        top = max(top, max(r[1] for r in rows))
     for s, n in zip(starts, bursts):
         ax.axvline(s, color="gray", lw=0.6)
-        ax.annotate(f"{n} requests", (s, static_mib * 0.9), fontsize=8, xytext=(3, 0),
+        ax.annotate(f"{n} requests", (s, ceiling_mib * 0.9), fontsize=8, xytext=(3, 0),
                     textcoords="offset points")
-    ax.set(ylabel="KV memory (MiB)", ylim=(0, static_mib * 1.05),
-           title=f"vTensor KV memory under bursty ShareGPT (Gemma 3 270M, idle release "
-                 f"{idle_s:g} s)")
-    ax.legend(loc="center right", fontsize=8)
-    bx.step(t, [r[5] for r in rows], where="post", color="black", lw=1)
+    ax.set(ylabel="KV memory (MiB)", ylim=(0, top * 1.05),
+           title=f"KV memory under bursty ShareGPT (Gemma 3 270M, idle release {idle_s:g} s)")
+    ax.legend(loc="center right", fontsize=7)
     bx.set(xlabel="time (s)", ylabel="running")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+# ------------------------------------------------------------------ elastic
+
+
+def elastic_cost(model, tokenizer, rounds: int = 2) -> None:
+    """The paged pool over a memfd (elastic) against private memory (as before): prefill
+    and decode step times, 8 prompts of 512 tokens then 64 steps, batch 8."""
+    import kvserve.physical.pool as pool_module
+
+    elastic = pool_module.PoolMemory
+
+    class Private(elastic):
+        def __init__(self, nbytes: int, device: torch.device) -> None:
+            self.nbytes, self.elastic, self.fd, self.area = nbytes, False, -1, None
+            self.tensor = pool_module.zeroed_bytes(nbytes, device)
+
+    for r in range(rounds):
+        for memory in (Private, elastic):
+            pool_module.PoolMemory = memory
+            engine = LLMEngine(model, tokenizer, EngineConfig(
+                kv_memory=512 * MiB, enable_prefix_caching=False))
+            g = torch.Generator().manual_seed(0)
+            for i in range(8):
+                ids = torch.randint(10, 20000, (512,), generator=g).tolist()
+                engine.add_request(f"r{i}", {"prompt_token_ids": ids}, SamplingParams(
+                    temperature=0, max_tokens=64, ignore_eos=True))
+            times = []
+            while engine.has_unfinished():
+                t = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t)
+            print(f"round {r} {'memfd' if memory is elastic else 'private'}: prefill "
+                  f"{sum(times[:3]) * 1e3:.0f} ms, decode median "
+                  f"{statistics.median(times[-40:]) * 1e3:.2f} ms")
+    pool_module.PoolMemory = elastic
 
 
 # ------------------------------------------------------------------ chunks
@@ -374,7 +429,7 @@ def steps_table(model, tokenizer) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["bursty", "timeline", "chunks", "steps"])
+    ap.add_argument("what", choices=["bursty", "timeline", "chunks", "steps", "elastic"])
     ap.add_argument("--idle", type=float, default=None,
                     help="kv_idle_release_s (bursty: 1, timeline: 5)")
     ap.add_argument("--gap", type=float, default=2.5, help="bursty: seconds between bursts")
@@ -393,6 +448,8 @@ def main() -> None:
         bursty(model, tokenizer, 1.0 if args.idle is None else args.idle, args.gap)
     elif args.what == "timeline":
         timeline(model, tokenizer, 5.0 if args.idle is None else args.idle, args.png)
+    elif args.what == "elastic":
+        elastic_cost(model, tokenizer)
     else:
         steps_table(model, tokenizer)
 
