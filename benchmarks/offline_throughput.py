@@ -43,6 +43,21 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], outputs: list[int]) 
             "total_tok_s": round((out_tokens + sum(map(len, prompts))) / elapsed, 1)}
 
 
+def first_token(engine: LLMEngine, prompts: list[list[int]]) -> float:
+    """Median seconds from a prompt's arrival to its first token, one prompt at a time
+    (TTFT on an idle engine: the prefill of one prompt and the sampling of a token;
+    llama-batched-bench's T_PP at npl 1)."""
+    times = []
+    for i, p in enumerate(prompts):
+        t0 = time.perf_counter()
+        engine.add_request(f"ttft{i}", {"prompt_token_ids": p},
+                           SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        times.append(time.perf_counter() - t0)
+    return round(sorted(times)[len(times) // 2], 4)
+
+
 def warm(engine: LLMEngine) -> None:
     run_engine(engine, [[2, 100, 200, 300]], [4])
 
@@ -63,7 +78,8 @@ def fixed(args: argparse.Namespace) -> dict:
            "dtype": str(engine.model.dtype), "quantization": engine.model.quantization,
            "device": str(engine.model.device), "cpu": summary(),
            "batch32": run_engine(engine, prompts, [128] * 32),
-           "single_stream": run_engine(engine, prompts[:1], [128])}
+           "single_stream": run_engine(engine, prompts[:1], [128]),
+           "first_token_s": first_token(engine, prompts[1:6])}
     if args.hf:  # transformers' generate on the same GGUF and prompts, in the engine's dtype
         dtype = engine.model.dtype
         del engine
