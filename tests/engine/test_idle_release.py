@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvserve.engine.engine import DEFAULT_IDLE_RELEASE_S, EngineConfig, LLMEngine
 from kvserve.engine.request import SamplingParams
 from kvserve.entrypoints.model_args import add_model_arguments, model_config
+from kvserve.physical.share import KVShare
 from kvserve.server.engine_loop import EngineLoop, Submission
 from kvserve.server.metrics import ServerMetrics
 
@@ -233,3 +234,35 @@ def test_idle_release_flag():
     for bad in ("-1", "soon", "nan"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--kv-idle-release-s", bad])
+
+
+def test_two_engines_share_one_physical_ceiling(kv, prompt):
+    """Two engines (the same model here; any two would do) under one 20 MiB ceiling, each
+    allowed 64 MiB alone: steps interleaved, the memory each holds follows its load and
+    the tokens are those of an engine alone."""
+    share = KVShare(20 * MiB)
+    engines = [LLMEngine(kv.model, kv.tokenizer, EngineConfig(
+        kv_memory=64 * MiB, kv_share=share, max_num_batched_tokens=128)) for _ in range(2)]
+    alone, _ = generate(LLMEngine(kv.model, kv.tokenizer, EngineConfig(kv_memory=64 * MiB)),
+                        "alone", prompt)
+    a, b = engines
+    a.add_request("a0", {"prompt_token_ids": prompt}, PARAMS)
+    a.add_request("a1", {"prompt_token_ids": prompt[:150]}, PARAMS)
+    got: dict[str, list[int]] = {}
+    granted, physical, steps = [], [], 0
+    while a.has_unfinished() or b.has_unfinished():
+        for e in engines:
+            if e.has_unfinished():
+                got |= {o.request_id: o.outputs[0].token_ids for o in e.step() if o.finished}
+        steps += 1
+        if steps == 2:  # b's load arrives while a runs
+            b.add_request("b0", {"prompt_token_ids": prompt}, PARAMS)
+        granted.append([m.granted_bytes() for m in share.members])
+        physical.append(sum(e.runner.pool.physical_bytes() for e in engines))
+        assert share.granted_bytes() <= 20 * MiB
+    assert got["a0"] == got["b0"] == alone
+    assert max(physical) <= 20 * MiB
+    assert max(g[0] for g in granted) > 10 * MiB  # a held most of the ceiling...
+    assert granted[-1][1] > granted[-1][0]  # ...then b, a's free pages punched on the way
+    with pytest.raises(ValueError, match="kv_share needs kv_backend 'paged'"):
+        EngineConfig(kv_backend="vtensor", kv_share=share)

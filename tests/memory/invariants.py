@@ -6,15 +6,17 @@ from kvserve.memory import KVCacheManager
 from kvserve.memory.allocator import EMPTY, EVICTABLE, USED
 
 
-def check_invariants(mgr: KVCacheManager) -> None:
-    """No page owned twice, ref counts match holders, bytes conserved."""
+def check_invariants(mgr: KVCacheManager, lent: int = 0) -> None:
+    """No page owned twice, ref counts match holders, bytes conserved (`lent`: large
+    pages lent to a shared ceiling, out of the allocator)."""
     alloc = mgr.alloc
     layout = mgr.layout
     held = sum(
         (sp.n_used + sp.n_evictable + sp.n_empty) * pb
         for sp, pb in zip(alloc.specs, layout.page_bytes)
     )
-    assert held + alloc.num_free_large() * layout.large_page_bytes == mgr.pool_bytes
+    free_large = alloc.num_free_large() + lent
+    assert held + free_large * layout.large_page_bytes == mgr.pool_bytes
     # Requests computing their prompt: started (a first allocation), prompt not done.
     assert all(mgr.reqs.get(rid) is r and r.num_alloc > r.num_hit and
                r.num_computed < r.prompt_len for rid, r in mgr.computing.items())

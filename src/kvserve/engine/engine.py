@@ -6,6 +6,7 @@ import math
 import os
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from kvserve.models.quant import resolve_quantization
 from kvserve.models.virtual_attention import chunk_bytes_of, core_budget
 from kvserve.physical.host import HostPool, copy_bandwidth
 from kvserve.physical.mempool import MemPool
+from kvserve.physical.share import KVShare, Member
 
 GiB = 1 << 30
 PromptInput = str | dict | Sequence[int]
@@ -56,8 +58,11 @@ class EngineConfig:
     policy: str = "jenga"
     quantization: str = "auto"  # auto | none | int8: see models/quant.py
     kv_backend: str = "paged"  # paged | vtensor: where KV data lives, see engine/runner.py
-    # vtensor: KV memory unused this long goes back to the OS; see check_idle_release.
+    # KV memory unused this long goes back to the OS (a CPU); see check_idle_release.
     kv_idle_release_s: float = DEFAULT_IDLE_RELEASE_S
+    # One physical ceiling shared with other engines in this process (physical/share.py):
+    # kv_memory is then this engine's own ceiling, the share's the sum's. Paged pool, CPU.
+    kv_share: KVShare | None = None
     # Host tier (MemServe's DRAM pool): bytes of host memory keeping what the KV pool
     # evicts, 0 for none; optionally in a new file, so it can exceed RAM.
     host_kv_memory: int = 0
@@ -73,6 +78,8 @@ class EngineConfig:
         if isinstance(self.host_kv_memory, bool) or not isinstance(self.host_kv_memory, int) \
                 or self.host_kv_memory < 0:
             raise ValueError(f"host_kv_memory must be bytes >= 0, got {self.host_kv_memory!r}")
+        if self.kv_share is not None and self.kv_backend != "paged":
+            raise ValueError("kv_share needs kv_backend 'paged'")
         if self.host_kv_memory and self.kv_backend != "paged":
             raise ValueError("the host tier needs kv_backend 'paged' (vtensor gives idle "
                              "memory back instead)")
@@ -216,6 +223,11 @@ class LLMEngine:
             host = HostPool(self.kv.layout, self.kv.host.alloc.num_large,
                             pin=model.device.type == "cuda", path=cfg.host_kv_file)
         self.mempool = MemPool(self.kv, self.runner.pool, host) if self.runner.pool else None
+        self.share: Member | None = None
+        if cfg.kv_share is not None:
+            step_bytes = cfg.max_num_batched_tokens * sum(self.kv.layout.page_bytes) // T
+            self.share = cfg.kv_share.join(self.kv.alloc, self.runner.pool, step_bytes)
+            weakref.finalize(self, cfg.kv_share.leave, self.share)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.lender: Lender | None = None
         self.sampler = Sampler()
@@ -366,6 +378,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the requests that changed."""
+        if self.share is not None:
+            try:
+                return self._step()
+            finally:
+                self.cfg.kv_share.settle(self.share)  # what this step left free, to others
+        return self._step()
+
+    def _step(self) -> list[RequestOutput]:
+        if self.share is not None:
+            self.cfg.kv_share.draw(self.share)  # free pages for this step, from the share
         batch, failed = self.scheduler.schedule()
         self.runner.retain(self.scheduler.running)
         outputs = []

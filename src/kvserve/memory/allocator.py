@@ -679,6 +679,24 @@ class TwoLevelAllocator:
                     free.append(lp)
         return before - sum(len(sp.cached) for sp in self.specs)
 
+    def withdraw(self, n: int) -> list[int]:
+        """Take up to n free large pages out of use (lent to a shared ceiling, their memory
+        given back): the longest free first, which are the least likely to hold memory."""
+        out: list[int] = []
+        for free in self.free_large:
+            k = min(n - len(out), len(free))
+            out += free[:k]
+            del free[:k]
+        return out
+
+    def deposit(self, pages: Sequence[int]) -> None:
+        """Large pages withdrawn earlier come back free."""
+        nparts = len(self.free_large)
+        for lp in pages:
+            if self.owner[lp] >= 0:
+                raise ValueError(f"large page {lp} is in use, not withdrawn")
+            self.free_large[lp % nparts].append(lp)
+
     def free_large_pages(self) -> list[int]:
         """Every large page no spec owns: they hold no KV."""
         return [lp for free in self.free_large for lp in free]
