@@ -20,6 +20,9 @@ class LLM:
     kv_idle_release_s (an engine arg): KV memory unused this long goes back to the OS
     (a CPU) when `generate` finds it (default 60 s; see EngineConfig).
     host_kv_memory (an engine arg): bytes of host memory keeping what the KV pool evicts.
+    kv_share (an engine arg): a `kvserve.physical.share.KVShare(ceiling_bytes)` given to
+    several LLMs in one process: their KV pools together hold at most its ceiling, each
+    at most its own kv_memory, and free memory moves to whichever runs.
     """
 
     def __init__(
