@@ -26,6 +26,7 @@ import pytest
 import torch
 from test_vtensor import check_refs, read_tokens, visible, write_tokens
 
+import kvserve.physical
 from kvserve.physical import cuda_vmm
 from kvserve.physical.cuda_vmm import CudaBackend, CudaDriverError, CudaUnavailableError
 from kvserve.physical.vtensor import (
@@ -223,6 +224,7 @@ def test_the_module_imports_without_cuda_python_and_says_what_is_missing(monkeyp
     for name in ("cuda", "cuda.bindings", "cuda.bindings.driver"):
         monkeypatch.setitem(sys.modules, name, None)  # as if cuda-python were not installed
     monkeypatch.delitem(sys.modules, "kvserve.physical.cuda_vmm")
+    monkeypatch.setattr(kvserve.physical, "cuda_vmm", cuda_vmm)  # the import rebinds it
     fresh = importlib.import_module("kvserve.physical.cuda_vmm")
     assert fresh is not cuda_vmm
     with pytest.raises(fresh.CudaUnavailableError, match="cuda-python"):
