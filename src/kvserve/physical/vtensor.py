@@ -150,12 +150,10 @@ class Backend(ABC):
     byte addresses and keeps every reference count itself. The backend also
     keeps the VMA count, so pools sharing a backend share its budget.
 
-    A CUDA backend (not written yet) maps onto the driver's VMM API:
-    cuMemAddressReserve / cuMemAddressFree for ranges, one cuMemCreate handle
-    per chunk (made on first map, cuMemRelease'd by `punch`), cuMemMap +
-    cuMemSetAccess / cuMemUnmap, and `__cuda_array_interface__` for `buffer`.
-    CUDA has no anonymous memory, so its placeholder would be one shared sink
-    chunk, and its chunk size a multiple of the allocation granularity (2 MiB).
+    `CpuBackend` below is the host's; `kvserve.physical.cuda_vmm.CudaBackend`
+    is a GPU's, over the driver's VMM API (cuMemAddressReserve / cuMemCreate /
+    cuMemMap, one handle per chunk, a shared sink chunk as the placeholder).
+    `backend_for` picks one for a device.
     """
 
     def __init__(self, chunk_bytes: int, num_chunks: int, max_mappings: int | None) -> None:
@@ -287,6 +285,19 @@ class CpuBackend(Backend):
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def backend_for(device: torch.device | str | None, chunk_bytes: int, num_chunks: int,
+                max_mappings: int | None = None) -> Backend:
+    """The backend for `device`: `CpuBackend` for the CPU (or None), `CudaBackend` for CUDA."""
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    if dev.type == "cpu":
+        return CpuBackend(chunk_bytes, num_chunks, max_mappings)
+    if dev.type == "cuda":
+        from kvserve.physical.cuda_vmm import CudaBackend  # cuda-python is optional
+
+        return CudaBackend(chunk_bytes, num_chunks, max_mappings, device=dev)
+    raise ValueError(f"no vTensor backend for device {dev}")
 
 
 # ------------------------------------------------------------------ pSet
@@ -762,12 +773,14 @@ class VTensorPool:
         max_mappings: int | None = None,
         ahead_chunks: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        device: torch.device | str | None = None,
     ) -> None:
+        """`device` picks the backend of a pool made here (`backend_for`; default the CPU)."""
         if chunks is None:
             if capacity_bytes is None:
                 raise ValueError("give the physical capacity or a ChunkPool to share")
-            chunks = ChunkPool(CpuBackend(chunk_bytes, capacity_bytes // chunk_bytes,
-                                          max_mappings))
+            chunks = ChunkPool(backend_for(device, chunk_bytes, capacity_bytes // chunk_bytes,
+                                           max_mappings))
         cb = chunks.chunk_bytes
         if bytes_per_token <= 0 or cb % bytes_per_token:
             raise ValueError(f"a chunk of {cb} B must hold whole tokens of {bytes_per_token} B "
