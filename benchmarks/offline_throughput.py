@@ -67,12 +67,18 @@ def load(args: argparse.Namespace, kv_memory: int) -> LLMEngine:
                                        quantization=args.quantization))
 
 
+def fixed_prompts(vocab_size: int) -> list[list[int]]:
+    """The fixed workload's 32 prompts of 128 random token ids (seeded; peers read them
+    from here: benchmarks/vllm_cpu_peer.sh)."""
+    g = torch.Generator().manual_seed(0)
+    top = min(200_000, vocab_size)
+    return [torch.randint(10, top, (128,), generator=g).tolist() for _ in range(32)]
+
+
 def fixed(args: argparse.Namespace) -> dict:
     engine = load(args, 1 << 30)
     warm(engine)
-    g = torch.Generator().manual_seed(0)
-    top = min(200_000, engine.config.vocab_size)
-    prompts = [torch.randint(10, top, (128,), generator=g).tolist() for _ in range(32)]
+    prompts = fixed_prompts(engine.config.vocab_size)
     out = {"workload": "32 prompts x 128 tokens, 128 greedy output tokens, EOS ignored",
            "model": args.model or "gemma3-270m",
            "dtype": str(engine.model.dtype), "quantization": engine.model.quantization,
