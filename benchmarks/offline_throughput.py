@@ -46,7 +46,8 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], outputs: list[int]) 
 def first_token(engine: LLMEngine, prompts: list[list[int]]) -> float:
     """Median seconds from a prompt's arrival to its first token, one prompt at a time
     (TTFT on an idle engine: the prefill of one prompt and the sampling of a token;
-    llama-batched-bench's T_PP at npl 1)."""
+    llama-batched-bench's T_PP at npl 1). The prompts must be new to the engine: a
+    prefix-cache hit would skip the prefill."""
     times = []
     for i, p in enumerate(prompts):
         t0 = time.perf_counter()
@@ -67,12 +68,12 @@ def load(args: argparse.Namespace, kv_memory: int) -> LLMEngine:
                                        quantization=args.quantization))
 
 
-def fixed_prompts(vocab_size: int) -> list[list[int]]:
-    """The fixed workload's 32 prompts of 128 random token ids (seeded; peers read them
-    from here: benchmarks/vllm_cpu_peer.sh)."""
-    g = torch.Generator().manual_seed(0)
+def fixed_prompts(vocab_size: int, n: int = 32, seed: int = 0) -> list[list[int]]:
+    """The fixed workload's prompts of 128 random token ids (seeded; peers read them from
+    here: benchmarks/vllm_cpu_peer.sh). Seed 1: prompts no cache holds, for TTFT."""
+    g = torch.Generator().manual_seed(seed)
     top = min(200_000, vocab_size)
-    return [torch.randint(10, top, (128,), generator=g).tolist() for _ in range(32)]
+    return [torch.randint(10, top, (128,), generator=g).tolist() for _ in range(n)]
 
 
 def fixed(args: argparse.Namespace) -> dict:
@@ -85,7 +86,7 @@ def fixed(args: argparse.Namespace) -> dict:
            "device": str(engine.model.device), "cpu": summary(),
            "batch32": run_engine(engine, prompts, [128] * 32),
            "single_stream": run_engine(engine, prompts[:1], [128]),
-           "first_token_s": first_token(engine, prompts[1:6])}
+           "first_token_s": first_token(engine, fixed_prompts(engine.config.vocab_size, 5, 1))}
     if args.hf:  # transformers' generate on the same GGUF and prompts, in the engine's dtype
         dtype = engine.model.dtype
         del engine

@@ -41,7 +41,8 @@ python -c "
 import json, sys
 sys.path.insert(0, '$here')
 from offline_throughput import fixed_prompts
-json.dump(fixed_prompts(262144), open('$work/prompts.json', 'w'))"
+json.dump({'fixed': fixed_prompts(262144), 'fresh': fixed_prompts(262144, 5, 1)},
+          open('$work/prompts.json', 'w'))"
 python -m kvserve.cpu_features
 preload="$work/venv/lib/libiomp5.so"
 tcmalloc=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
