@@ -151,29 +151,6 @@ def test_growing_request_is_one_contiguous_tensor_and_one_vma():
     pool.close()
 
 
-def test_shared_prefix_write_is_visible_through_both_views():
-    pool = make_pool()
-    prompt = list(range(3 * TPC + 5))
-    pool.create("a")
-    pool.extend("a", len(prompt))
-    write_tokens(pool, "a", prompt, 0, len(prompt))
-    assert pool.record("a", prompt) == 3 * TPC
-    assert pool.create("b", prompt + [7, 8]) == 3 * TPC
-    a, b = pool.view("a", torch.int32), pool.view("b", torch.int32)
-    assert b[: 3 * TPC, 0].tolist() == prompt[: 3 * TPC]
-    assert a.data_ptr() != b.data_ptr()  # two virtual ranges ...
-    for c in pool.active["b"].chunks:  # ... over the same chunks: a, b and the tree
-        assert pool.chunks.ref[c] == 3
-    a[5, 1] = 4242
-    assert b[5, 1].item() == 4242
-    b[2 * TPC + 1, 3] = -7
-    assert a[2 * TPC + 1, 3].item() == -7
-    check_refs(pool)
-    check_vmas(pool)
-    del a, b
-    pool.close()
-
-
 def test_release_is_lazy_and_a_follow_up_turn_reuses_the_mapping():
     pool = make_pool()
     turn1 = list(range(2 * TPC + 3))
