@@ -24,7 +24,7 @@ from enum import IntEnum
 
 import pytest
 import torch
-from test_vtensor import check_refs, read_tokens, visible, write_tokens
+from test_vtensor import check_refs, check_vmas, read_tokens, visible, write_tokens
 
 import kvserve.physical
 from kvserve.physical import cuda_vmm
@@ -118,6 +118,8 @@ def test_shared_prefix_write_is_visible_through_both_views(kind):
     b[2 * tpc + 1, 3] = -7
     assert a[2 * tpc + 1, 3].item() == -7
     check_refs(pool)
+    if kind == "cpu":
+        check_vmas(pool)  # the kernel's own count of mappings (/proc/self/maps)
     del a, b
     sync(pool)
     pool.close()
