@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvserve.cpu_features import bf16_native
@@ -93,6 +94,13 @@ def test_a_warm_start_serves_bit_identically_to_quantizing(entry, mode, dtype,
                                                          warm.model.layers[0].mlp.down_proj)]
     assert [type(s).__name__ for s in small] == [
         "Q5Linear" if serves_q5() else "Q8Linear", "Q8Linear"]
+    with safe_open(packed.packed_file(path, mode, dtype), "pt") as f:
+        names = set(f.keys())
+    # q8+bf16's bf16 head is the (tied) embedding table: saved once, mapped once.
+    assert f"{packed.HEAD}.bf16" not in names and f"{packed.HEAD}.q" in names
+    if mode == "q8+bf16":
+        emb = warm.model.embed_tokens.weight
+        assert warm.quant_head.bf16.data_ptr() == emb.data_ptr()
     for got in (_logits(cold), _logits(warm)):
         for g, w in zip(got, want):
             assert torch.equal(g, w)

@@ -68,7 +68,17 @@ def packed_state(model: CausalLM) -> dict[str, torch.Tensor]:
         state.update({f"{name}.{k}": v for k, v in module.quant.packed_state().items()})
     if model.lm_head is None and model.quant_head is not None:
         state.update({f"{HEAD}.{k}": v for k, v in model.quant_head.packed_state().items()})
+    if _head_is_embedding(model, model.quantization, model.dtype):
+        head = state.pop(f"{HEAD}.bf16")
+        if not torch.equal(head, state["model.embed_tokens.weight"]):
+            raise RuntimeError("the tied head's bf16 copy differs from the embedding")
     return state
+
+
+def _head_is_embedding(model: CausalLM, mode: str, dtype: torch.dtype) -> bool:
+    """Whether q8+bf16's bf16 head is the embedding table itself (a tied head in a bf16
+    model): saved once, 335 MB less for Gemma 3 270M, and mapped once when loaded."""
+    return model.lm_head is None and mode == "q8+bf16" and dtype == torch.bfloat16
 
 
 def save(model: CausalLM, path: Path, source: Path) -> bool:
@@ -164,6 +174,8 @@ def _expected(model: CausalLM, mode: str, dtype: torch.dtype,
     if model.lm_head is None:
         vocab, hidden = model.model.embed_tokens.weight.shape
         head = _part_specs(mode, vocab, hidden, HEAD in q5)
+        if _head_is_embedding(model, mode, dtype):
+            del head["bf16"]
         out.update({f"{HEAD}.{k}": s for k, s in head.items()})
     return out
 
@@ -183,7 +195,10 @@ def _adopt(model: CausalLM, tensors: dict[str, torch.Tensor], mode: str) -> Caus
     for name, m in linears:
         m.quant = from_packed(mode, parts(name), m.in_features)
     if model.lm_head is None:
-        model.quant_head = from_packed(mode, parts(HEAD), model.config.hidden_size)
+        head = parts(HEAD)
+        if _head_is_embedding(model, mode, model.model.embed_tokens.weight.dtype):
+            head["bf16"] = model.model.embed_tokens.weight.detach()
+        model.quant_head = from_packed(mode, head, model.config.hidden_size)
     model.quantization = mode
     return model.eval()
 
