@@ -22,7 +22,7 @@ from hf_reference import ledger_text
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.engine.engine import DEFAULT_IDLE_RELEASE_S, EngineConfig, LLMEngine
-from kvserve.engine.request import SamplingParams
+from kvserve.engine.request import InvalidRequest, SamplingParams
 from kvserve.entrypoints.model_args import add_model_arguments, model_config
 from kvserve.physical.share import KVShare
 from kvserve.server.engine_loop import EngineLoop, Submission
@@ -266,3 +266,8 @@ def test_two_engines_share_one_physical_ceiling(kv, prompt):
     assert granted[-1][1] > granted[-1][0]  # ...then b, a's free pages punched on the way
     with pytest.raises(ValueError, match="kv_share needs kv_backend 'paged'"):
         EngineConfig(kv_backend="vtensor", kv_share=share)
+    tight = LLMEngine(kv.model, kv.tokenizer, EngineConfig(  # alone it would fit
+        kv_memory=64 * MiB, kv_share=KVShare(2 * MiB), max_num_batched_tokens=128))
+    with pytest.raises(InvalidRequest, match="than the pool's 2 MiB"):
+        tight.add_request("big", {"prompt_token_ids": prompt}, PARAMS)
+    assert not tight.requests

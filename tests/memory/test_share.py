@@ -147,3 +147,33 @@ def test_a_share_needs_elastic_pools_that_hold_nothing_yet():
         share.join(kv.alloc, pool, 1 << 20)
     with pytest.raises(ValueError, match="> 0 bytes"):
         KVShare(0)
+
+
+def test_an_idle_members_cache_gives_way_to_a_busy_one():
+    cores = [member_core(specs, 64 << 20) for specs in MODELS[::-1]]
+    (kva, poola), (kvb, poolb) = cores
+    share = KVShare(16 << 20)
+    flushed = []
+    a = share.join(kva.alloc, poola, 1 << 20, flush=lambda: flushed.append(1))
+    b = share.join(kvb.alloc, poolb, 1 << 20)
+
+    def run(kv, member, rid, n):
+        kv.add_request(rid, [(t * 7) % 89 + 1 for t in range(n)])
+        kv.lookup(rid)
+        while kv.reqs[rid].num_computed < n:
+            share.draw(member)
+            if not kv.allocate_slots(rid, min(16, n - kv.reqs[rid].num_computed)):
+                return False
+            kv.advance(rid, min(16, n - kv.reqs[rid].num_computed))
+        kv.finish(rid)
+        return True
+
+    assert run(kva, a, "x", 2000)  # a's prefix stays cached: 12 MiB of the 16
+    cached = kva.stats().evictable
+    assert cached > 8 << 20 and share.granted_bytes() > 12 << 20
+    room = share.ceiling - share.granted_bytes()
+    assert run(kvb, b, "y", 4000)  # b needs more than is free: a's cache makes way
+    assert b.granted_bytes() > room
+    assert kva.stats().evictable < cached and flushed  # copies out before the punch
+    assert share.granted_bytes() <= 16 << 20
+    assert not set(a.lent) & poola.memory.written(kva.layout.large_page_bytes)

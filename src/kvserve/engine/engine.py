@@ -226,7 +226,8 @@ class LLMEngine:
         self.share: Member | None = None
         if cfg.kv_share is not None:
             step_bytes = cfg.max_num_batched_tokens * sum(self.kv.layout.page_bytes) // T
-            self.share = cfg.kv_share.join(self.kv.alloc, self.runner.pool, step_bytes)
+            self.share = cfg.kv_share.join(self.kv.alloc, self.runner.pool, step_bytes,
+                                           self.mempool.flush)
             weakref.finalize(self, cfg.kv_share.leave, self.share)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.lender: Lender | None = None
@@ -341,7 +342,7 @@ class LLMEngine:
         if not self._fits(len(ids) + 1):
             raise InvalidRequest(
                 f"the prompt of {len(ids)} tokens needs more KV memory than the pool's "
-                f"{self.kv.pool_bytes / 2**20:.0f} MiB"
+                f"{self._pool_ceiling() / 2**20:.0f} MiB"
             )
         req = Request(request_id, text, ids, params, time.monotonic())
         self.requests[request_id] = req
@@ -350,13 +351,20 @@ class LLMEngine:
         self.counters["prompt_tokens"] += len(ids)
         return req
 
+    def _pool_ceiling(self) -> int:
+        """The most KV memory this engine can hold: its pool, or a shared ceiling's."""
+        if self.share is None:
+            return self.kv.pool_bytes
+        return min(self.kv.pool_bytes, self.cfg.kv_share.ceiling)
+
     def _fits(self, num_tokens: int) -> bool:
         """Whether a request of num_tokens can run here alone. Lending KV (DistAttention),
         only its current chunks need to: the rest of its full attention goes elsewhere."""
         chunk = self.cfg.max_num_batched_tokens
         if self.lender is not None:
             num_tokens = min(num_tokens, 2 * chunk)
-        return self.kv.fits_alone(num_tokens, chunk)
+        limit = self._pool_ceiling() // self.kv.layout.large_page_bytes
+        return self.kv.fits_alone(num_tokens, chunk, limit=limit)
 
     def lend_with(self, lender: Lender | None) -> None:
         """DistAttention (a cluster instance): a full pool lends running requests' KV

@@ -524,14 +524,17 @@ class KVCacheManager:
         return self.now if r.key is None else min(r.key, self.now)
 
     def fits_alone(
-        self, num_tokens: int, chunk: int, images: Sequence[ImageInput] = ()
+        self, num_tokens: int, chunk: int, images: Sequence[ImageInput] = (),
+        limit: int | None = None,
     ) -> bool:
-        """Whether one request of num_tokens fits an otherwise empty pool (chunked prefill)."""
+        """Whether one request of num_tokens fits an otherwise empty pool (chunked prefill)
+        of at most `limit` large pages (None: the whole pool)."""
         large = 0
         for m in self.managers:
             pages = m.peak_pages(num_tokens, chunk, images)
             large += -(-pages // self.layout.pages_per_large[m.s])
-        return large <= self.num_large_pages
+        return large <= (self.num_large_pages if limit is None else
+                         min(limit, self.num_large_pages))
 
     # ------------------------------------------------ MemPool index (no claims)
 

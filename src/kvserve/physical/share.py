@@ -9,8 +9,9 @@ ceiling. Memory moves between models as their load moves: before each step
 an engine draws grants up to a watermark of free large pages (enough for one
 step of its token budget), taking free pages back from other members first
 if the ceiling is reached, and after each step it spills free pages beyond
-the watermark. Cached pages are not taken from another member: a model's
-prefix cache is its own, given up under its own pressure or idle release.
+the watermark. Another member's free pages go first, then its cached ones
+(least recently used first, as its own pressure would evict them), so an
+idle model's prefix cache does not hold memory a busy one needs.
 
 Only pages no one holds move, and a member's allocator sees them as free
 large pages coming and going, so every allocation path (and its tests)
@@ -20,6 +21,7 @@ stays as it is.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.memory.allocator import TwoLevelAllocator
@@ -31,6 +33,8 @@ class Member:
     alloc: TwoLevelAllocator
     pool: KVPool
     watermark: int  # free large pages to keep before a step
+    # Makes the copies evictions logged (to a host tier) before their pages are punched.
+    flush: Callable[[], object] | None = None
     lent: list[int] = field(default_factory=list)  # large pages the member may not use now
 
     @property
@@ -50,15 +54,17 @@ class KVShare:
         self.ceiling = ceiling_bytes
         self.members: list[Member] = []
 
-    def join(self, alloc: TwoLevelAllocator, pool: KVPool, step_bytes: int) -> Member:
+    def join(self, alloc: TwoLevelAllocator, pool: KVPool, step_bytes: int,
+             flush: Callable[[], object] | None = None) -> Member:
         """A new member, every page lent: it holds nothing until it draws.
-        `step_bytes`: the KV one step may write (its watermark of free pages)."""
+        `step_bytes`: the KV one step may write (its watermark of free pages); `flush`:
+        what makes the copies its evictions logged (MemPool.flush), if any."""
         if not pool.memory.elastic:
             raise ValueError("a shared KV ceiling needs elastic pools (a CPU with memfd)")
         if alloc.num_free_large() != alloc.num_large:
             raise ValueError("a pool joins a share before it holds anything")
         watermark = math.ceil(step_bytes / pool.layout.large_page_bytes) + len(alloc.specs)
-        member = Member(alloc, pool, watermark)
+        member = Member(alloc, pool, watermark, flush)
         member.lent = sorted(alloc.withdraw(alloc.num_large), reverse=True)
         self.members.append(member)
         return member
@@ -75,11 +81,11 @@ class KVShare:
         if want <= 0:
             return 0
         need = want * member.page_bytes - (self.ceiling - self.granted_bytes())
-        for other in self.members:
-            if need <= 0:
-                break
-            if other is not member:
-                need -= self._spill(other, math.ceil(need / other.page_bytes))
+        others = [m for m in self.members if m is not member]
+        for evict in (False, True):  # free pages anywhere before anyone's cache
+            for other in others:
+                if need > 0:
+                    need -= self._spill(other, math.ceil(need / other.page_bytes), evict)
         room = (self.ceiling - self.granted_bytes()) // member.page_bytes
         pages = [member.lent.pop() for _ in range(min(want, room))]
         member.alloc.deposit(pages)
@@ -89,10 +95,15 @@ class KVShare:
         """Lend back the member's free large pages beyond its watermark; returns the bytes."""
         return self._spill(member, member.alloc.num_free_large() - member.watermark)
 
-    def _spill(self, member: Member, pages: int) -> int:
-        """Take up to `pages` free large pages from member (punched); returns the bytes."""
+    def _spill(self, member: Member, pages: int, evict: bool = False) -> int:
+        """Take up to `pages` free large pages from member (punched), with `evict` after
+        evicting its least recently used cached ones; returns the bytes."""
         if pages <= 0:
             return 0
+        if evict and member.alloc.num_free_large() < pages:
+            member.alloc.evict(pages - member.alloc.num_free_large())
+            if member.flush is not None:
+                member.flush()
         taken = member.alloc.withdraw(pages)
         member.pool.give_back(taken)
         member.lent += taken
