@@ -407,8 +407,14 @@ class KVCacheManager:
         if r is None:
             raise KeyError(f"unknown request {req_id!r}")
         self._compute_prompt(r, False)
-        for m in self.managers:
-            m.free_all(r, self._key(r))
+        # One release: equal keys evict the longest prefix first across specs, so a
+        # prefix shrinks from its tail in every layer type at once (aligned rule).
+        self.alloc.begin_release()
+        try:
+            for m in self.managers:
+                m.free_all(r, self._key(r))
+        finally:
+            self.alloc.end_release()
         if self.write_behind:
             self._write_ahead(r)
         # An admission that was taken back computed nothing: no use to remember.
