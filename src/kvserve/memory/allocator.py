@@ -697,6 +697,39 @@ class TwoLevelAllocator:
                          self.lstamp[lp])
                 self.lru_large[self.part[s]].push(entry)
 
+    def demote(self, s: int, pids: Sequence[int]) -> None:
+        """Give unused cached pages the key DEAD: they go before every page that can hit.
+        Used pages are left alone."""
+        if not self.grouped:
+            self.group += 1
+        sp = self.specs[s]
+        ref, hashes, last, plen, k = sp.ref, sp.hash, sp.last, sp.plen, sp.k
+        changed = {}
+        for pid in pids:
+            if ref[pid] or hashes[pid] is None or last[pid] == DEAD:
+                continue
+            last[pid] = DEAD
+            sp.stamp[pid] += 1
+            if k > 1:
+                sp.lru.push((DEAD, -plen[pid], pid, sp.stamp[pid]))
+            changed[pid // k] = None
+        for lp in changed:
+            if self.used[lp]:
+                continue
+            base = lp * k
+            t, n = None, 0
+            for p in range(base, base + k):
+                if hashes[p] is not None:
+                    u = last[p]
+                    if t is None or u > t or u == t and plen[p] < n:
+                        t, n = u, plen[p]
+            if t is None or (t, n) == (self.ltime[lp], self.lplen[lp]):
+                continue
+            self.ltime[lp], self.lplen[lp] = t, n
+            self.lstamp[lp] += 1
+            entry = (t, self.group, -n, next(self._pushes), lp, self.lstamp[lp])
+            self.lru_large[self.part[s]].push(entry)
+
     def evict(self, m: int) -> int:
         """Evict up to m unused large pages per partition, least recently used first, onto
         the free list (a swap-out ahead of need); returns how many cached pages went."""

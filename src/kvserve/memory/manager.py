@@ -231,7 +231,12 @@ class KVCacheManager:
         """The hit point, and a longer prefix only the full-attention pages hold, are
         reuse points: this request keeps what a hit there needs as it prefills past."""
         if q:
-            self.reuse.mark(r.hashes[q - 1])
+            pe = self.reuse.ends.get(r.hashes[q - 1])
+            if pe is None:
+                self.reuse.mark(r.hashes[q - 1])
+            else:  # r continues a finished request's sequence
+                for m in self.managers:
+                    m.retire(r, q, pe)
         d = min((m.longest_hit(r, p) for m in self._full), default=0)
         if d > q:
             self.reuse.mark(r.hashes[d - 1])
