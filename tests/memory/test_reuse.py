@@ -352,3 +352,74 @@ def test_a_prompt_being_computed_is_waited_for_until_its_request_stops():
     mgr.add_request("b", ARTICLE + [600, 601])
     mgr.lookup("b")
     assert not mgr.waits_for_prefix("b")
+
+
+def _conversation(mgr: KVCacheManager, turns: list[tuple[int, int]], start: int = 0,
+                  between=None) -> list[int]:
+    """Serve a conversation: each turn's prompt is the previous turn's whole sequence and a
+    new message of `msg` tokens, answered with `out` tokens (all computed). Before turn
+    `start` only the tokens are built; `between(k)` runs before turn k. Returns the hits."""
+    seq: list[int] = []
+    hits = []
+    for k, (msg, out) in enumerate(turns):
+        seq = seq + [50_000 + 100 * k + i for i in range(msg)]
+        if between is not None:
+            between(k)
+        if k >= start:
+            hits.append(serve(mgr, ("turn", k), list(seq), out))
+        seq = seq + [900 + i for i in range(out)]  # serve's answer tokens
+    return hits
+
+
+def test_a_next_turn_retires_the_previous_prompts_end_windows():
+    mgr = make(400)
+    # Turn 0: a 30-block prompt and 12 blocks of answer; its prompt's end region (points
+    # 25..30) kept blocks 21..29, before the window its sequence end needs (blocks 38..41).
+    r = RequestKV(None, [], ())
+    extend_block_hashes(r.hashes, [50_000 + i for i in range(120)] + [900 + i for i in range(48)],
+                        T)
+    swa = mgr.alloc.specs[1]
+    hits = _conversation(mgr, [(120, 48)])
+    assert {swa.last[swa.cached[r.hashes[b]]] for b in range(21, 30)} == {mgr.now}
+    hits += _conversation(mgr, [(120, 48), (8, 2)], start=1)
+    assert hits[1] == 168  # the whole first sequence
+    assert {swa.last[swa.cached[r.hashes[b]]] for b in range(21, 30)} == {DEAD}
+    assert r.hashes[42 - 1] not in mgr.reuse.marks  # a continuation is no divergence
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(turns=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 30)), min_size=2,
+                      max_size=6),
+       other=st.integers(1, 70), split=st.integers(0, 5))
+def test_conversations_keep_every_hit_that_room_allows(turns, other, split):
+    """With room for everything but DEAD pages (evicted before each turn), every turn hits
+    the previous turn's whole sequence, and a point a diverging request marked still
+    serves a hit afterwards: retiring a finished prompt's end windows never takes a window
+    a mark or a sequence end needs."""
+    mgr = make(2000)
+    # A branch inside turn 0's prompt, before its sequence end. (A branch at a sequence
+    # end is taken for the conversation's next turn: the window there is DEAD once that
+    # request leaves it, and a second continuation from there pays a miss.)
+    prompt0 = [50_000 + i for i in range(max(0, turns[0][0] - T))]
+    marked = []
+
+    def diverge(k: int) -> None:  # shares turn 0's prompt but its last block, then differs
+        if k == min(split, len(turns) - 1) + 1:
+            marked.append(serve(mgr, "diverge", prompt0 + [7] * other))
+        squeeze(mgr, ("squeeze", k))  # what is DEAD goes: the rest must still serve
+
+    hits = _conversation(mgr, turns, between=diverge)
+    seq: list[int] = []
+    for k, (msg, out) in enumerate(turns):
+        if k:
+            assert hits[k] == len(seq) // T * T, (k, hits)
+        seq = seq + [50_000 + 100 * k + i for i in range(msg)] + [900 + i for i in range(out)]
+    q = marked[0] // T if marked else 0
+    r = RequestKV(None, [], ())
+    extend_block_hashes(r.hashes, prompt0, T)
+    if q and r.hashes[q - 1] in mgr.reuse.marks:
+        squeeze(mgr, "last squeeze")
+        mgr.begin_step()
+        mgr.add_request("again", prompt0 + [8] * other)
+        assert mgr.lookup("again") >= q * T
+        mgr.abort("again")

@@ -136,7 +136,8 @@ class TwoLevelAllocator:
     """
 
     __slots__ = ("layout", "num_large", "specs", "owner", "assoc", "used", "emask", "ltime",
-                 "lstamp", "part", "free_large", "lru_large", "_pushes", "on_evict")
+                 "lplen", "lstamp", "part", "free_large", "lru_large", "_pushes", "group",
+                 "grouped", "on_evict")
 
     def __init__(self, layout: Layout, num_large: int, partitioned: bool = False) -> None:
         if num_large <= 0:
@@ -152,15 +153,24 @@ class TwoLevelAllocator:
         self.used = [0] * num_large  # used small pages per large page
         self.emask = [0] * num_large  # bit i set: small page i is empty (owned pages only)
         self.ltime = [DEAD] * num_large  # latest last-access among its small pages
+        # the shortest prefix among its cached pages of that latest time: ties between
+        # large pages (of any spec) evict the longest prefix first (aligned rule)
+        self.lplen = [0] * num_large
         self.lstamp = [0] * num_large
         self.part = list(range(nspec)) if partitioned else [0] * nspec
         nparts = nspec if partitioned else 1
         self.free_large: list[list[int]] = [[] for _ in range(nparts)]
         for lp in range(num_large - 1, -1, -1):
             self.free_large[lp % nparts if partitioned else 0].append(lp)
-        # Unused large pages per partition: (time, push order, lp, stamp).
+        # Unused large pages per partition: (time, release, -prefix length, push order, lp,
+        # stamp). A release is one free() call, or every call between begin_release() and
+        # end_release() (a finished request's pages of every spec): within one, equal
+        # times evict the longest prefix first across specs (aligned rule); releases of
+        # equal times go in their order.
         self.lru_large = [LRUQueue() for _ in range(nparts)]
         self._pushes = itertools.count()
+        self.group = 0
+        self.grouped = False
         # Called as on_evict(s, pids) just before cached pages lose their KV (their
         # hash, last and plen still readable): a lower tier may keep a copy.
         self.on_evict: Callable[[int, list[int]], None] | None = None
@@ -398,7 +408,7 @@ class TwoLevelAllocator:
         queue, lstamp, used, owner = self.lru_large[p], self.lstamp, self.used, self.owner
         out: list[int] = []
         while len(out) < m and queue:
-            _, _, lp, stamp = queue.pop()
+            _, _, _, _, lp, stamp = queue.pop()
             if stamp == lstamp[lp] and used[lp] == 0 and owner[lp] >= 0:
                 self._evict_large(lp)
                 out.append(lp)
@@ -523,6 +533,8 @@ class TwoLevelAllocator:
         release is the page's last access. Pages that become empty are
         handed back per large page: a request's pages come in runs.
         """
+        if not self.grouped:
+            self.group += 1
         sp = self.specs[s]
         if sp.k == 1:
             self._free_whole_pages(s, sp, pids, now)
@@ -552,6 +564,15 @@ class TwoLevelAllocator:
             cnt += 1
         if cnt:
             self._to_empty(s, sp, run_lp, bits, cnt)
+
+    def begin_release(self) -> None:
+        """The frees and touches until end_release() are one release: their large pages
+        of equal times are evicted longest prefix first across specs."""
+        self.group += 1
+        self.grouped = True
+
+    def end_release(self) -> None:
+        self.grouped = False
 
     def _free_whole_pages(self, s: int, sp: SpecPages, pids: Sequence[int], now: int) -> None:
         """free() for a spec whose small page is a whole large page: an empty page goes
@@ -595,6 +616,9 @@ class TwoLevelAllocator:
             sp.lru.push((t, -sp.plen[pid], pid, sp.stamp[pid]))
         if sp.k == 1 or self.ltime[lp] < t:  # one page: its key, whatever the last one's
             self.ltime[lp] = t
+            self.lplen[lp] = sp.plen[pid]
+        elif self.ltime[lp] == t and sp.plen[pid] < self.lplen[lp]:
+            self.lplen[lp] = sp.plen[pid]
         if self.used[lp] == 0:
             self._became_unused(s, sp, lp)
 
@@ -629,15 +653,22 @@ class TwoLevelAllocator:
     def _became_unused(self, s: int, sp: SpecPages, lp: int) -> None:
         """No used page left, some cached: the large page can be evicted whole."""
         k = sp.k
-        if k > 1:  # its key: the latest of its cached pages' now (keys can go down)
-            base, hashes, last = lp * k, sp.hash, sp.last
-            self.ltime[lp] = max((last[p] for p in range(base, base + k)
-                                  if hashes[p] is not None), default=DEAD)
+        if k > 1:  # its key: the latest of its cached pages' now (keys can go down), and
+            # the shortest prefix among the pages of that time
+            base, hashes, last, plen = lp * k, sp.hash, sp.last, sp.plen
+            t, n = None, 0
+            for p in range(base, base + k):
+                if hashes[p] is not None:
+                    u = last[p]
+                    if t is None or u > t or u == t and plen[p] < n:
+                        t, n = u, plen[p]
+            self.ltime[lp], self.lplen[lp] = DEAD if t is None else t, n
         sp.holes.pop(lp, None)
         sp.n_unused_large += 1
         sp.n_idle_empty += self.emask[lp].bit_count()
         self.lstamp[lp] += 1
-        entry = (self.ltime[lp], next(self._pushes), lp, self.lstamp[lp])
+        entry = (self.ltime[lp], self.group, -self.lplen[lp], next(self._pushes), lp,
+                 self.lstamp[lp])
         self.lru_large[self.part[s]].push(entry)
 
     def touch(self, s: int, pids: Sequence[int], now: int) -> None:
@@ -648,6 +679,8 @@ class TwoLevelAllocator:
         a cached prefix is evicted as one unit. Used pages are left alone:
         their last user stamps them.
         """
+        if not self.grouped:
+            self.group += 1
         sp = self.specs[s]
         ref, hashes, last, k = sp.ref, sp.hash, sp.last, sp.k
         for pid in pids:
@@ -658,12 +691,50 @@ class TwoLevelAllocator:
             if k > 1:
                 sp.lru.push((now, -sp.plen[pid], pid, sp.stamp[pid]))
             lp = pid // k
-            if self.ltime[lp] < now:
-                self.ltime[lp] = now
-                if self.used[lp] == 0:  # re-queue the unused large page under its new time
-                    self.lstamp[lp] += 1
-                    entry = (now, next(self._pushes), lp, self.lstamp[lp])
-                    self.lru_large[self.part[s]].push(entry)
+            if self.ltime[lp] < now or k == 1:
+                self.ltime[lp], self.lplen[lp] = now, sp.plen[pid]
+            elif self.ltime[lp] == now and sp.plen[pid] < self.lplen[lp]:
+                self.lplen[lp] = sp.plen[pid]
+            else:
+                continue
+            if self.used[lp] == 0:  # re-queue the unused large page under its new key
+                self.lstamp[lp] += 1
+                entry = (now, self.group, -self.lplen[lp], next(self._pushes), lp,
+                         self.lstamp[lp])
+                self.lru_large[self.part[s]].push(entry)
+
+    def demote(self, s: int, pids: Sequence[int]) -> None:
+        """Give unused cached pages the key DEAD: they go before every page that can hit.
+        Used pages are left alone."""
+        if not self.grouped:
+            self.group += 1
+        sp = self.specs[s]
+        ref, hashes, last, plen, k = sp.ref, sp.hash, sp.last, sp.plen, sp.k
+        changed = {}
+        for pid in pids:
+            if ref[pid] or hashes[pid] is None or last[pid] == DEAD:
+                continue
+            last[pid] = DEAD
+            sp.stamp[pid] += 1
+            if k > 1:
+                sp.lru.push((DEAD, -plen[pid], pid, sp.stamp[pid]))
+            changed[pid // k] = None
+        for lp in changed:
+            if self.used[lp]:
+                continue
+            base = lp * k
+            t, n = None, 0
+            for p in range(base, base + k):
+                if hashes[p] is not None:
+                    u = last[p]
+                    if t is None or u > t or u == t and plen[p] < n:
+                        t, n = u, plen[p]
+            if t is None or (t, n) == (self.ltime[lp], self.lplen[lp]):
+                continue
+            self.ltime[lp], self.lplen[lp] = t, n
+            self.lstamp[lp] += 1
+            entry = (t, self.group, -n, next(self._pushes), lp, self.lstamp[lp])
+            self.lru_large[self.part[s]].push(entry)
 
     def evict_before(self, key: int) -> int:
         """Evict every unused large page whose eviction key is below `key` onto the free

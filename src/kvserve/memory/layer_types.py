@@ -106,6 +106,11 @@ class ReusePoints:
         # stay the same when a queue builds up or requests are admitted out of order.
         self.seen: dict[Hashable, tuple[int, int, bool]] = {}
         self.protect: bool | None = None  # fixes the loop rule for lost prefixes (tests)
+        # Sequence ends of finished requests -> their prompt's end (blocks): a hit there
+        # extends that sequence (the next turn of a conversation). It says nothing of
+        # another request stopping there (not a mark), and the windows its prompt's end
+        # region kept serve no one any more (TextStream.retire).
+        self.ends: dict[Hashable, int] = {}
 
     def remember(self, r: RequestKV) -> None:
         hashes, seen, t = r.hashes, self.seen, r.arrival
@@ -117,6 +122,12 @@ class ReusePoints:
                 seen[hashes[e - 1]] = (t, r.gap, r.loop)
         while len(seen) > 2 * self.limit:
             del seen[next(iter(seen))]
+        if n:
+            ends = self.ends
+            ends.pop(hashes[n - 1], None)
+            ends[hashes[n - 1]] = r.prompt_len // self.T
+            if len(ends) > self.limit:
+                del ends[next(iter(ends))]
 
     def reuse_key(self, r: RequestKV, p: int, q: int, now: int) -> int | None:
         """The eviction key of r's pages if r belongs to a loop, else None (the step).
@@ -235,6 +246,10 @@ class SpecManager:
 
     def release_inactive(self, r: RequestKV, c: int, now: int) -> None:
         """Let go of pages no query at position >= c needs."""
+
+    def retire(self, r: RequestKV, q: int, prompt_end: int) -> None:
+        """r hits at q, continuing a finished request's sequence: cached pages that only
+        served that request's other reuse points may go first (TextStream)."""
 
     def peak_pages(self, num_tokens: int, chunk: int, images: Sequence[ImageInput]) -> int:
         """Most pages one request of num_tokens holds when prefilled in chunks."""
@@ -391,6 +406,29 @@ class TextStream(SpecManager):
                 i += 1
             out[b - start] = i < len(points) and self._first_block(points[i]) <= b
         return out
+
+    def retire(self, r: RequestKV, q: int, prompt_end: int) -> None:
+        """r hits at q, the sequence end of a finished request whose prompt ended at block
+        prompt_end: it continues that sequence. The pages that request kept for hits in
+        its prompt's end region, before the window r claims, serve no one now unless a
+        mark needs them: cache them DEAD (evicted first)."""
+        if self.spec.kind is LayerKind.FULL:
+            return
+        hi = self._first_block(q)
+        lo = max(0, prompt_end - self.reuse.PROMPT_TAIL // self.T - self._reach())
+        if lo >= hi:
+            return
+        marks, hashes, reach = self.reuse.marks, r.hashes, self._reach()
+        cached = self.alloc.specs[self.s].cached
+        # Marked points e serve blocks [first_block(e), e): keep those.
+        keep = [e for e in range(lo + 1, min(hi + reach, q) + 1) if hashes[e - 1] in marks]
+        out = []
+        for b in range(lo, hi):
+            h = hashes[b]
+            if h in cached and not any(self._first_block(e) <= b < e for e in keep):
+                out.append(cached[h])
+        if out:
+            self.alloc.demote(self.s, out)
 
     def live_slots(self, r: RequestKV) -> list[tuple[object, int]]:
         T, n = self.T, r.num_alloc

@@ -239,7 +239,12 @@ class KVCacheManager:
         """The hit point, and a longer prefix only the full-attention pages hold, are
         reuse points: this request keeps what a hit there needs as it prefills past."""
         if q:
-            self.reuse.mark(r.hashes[q - 1])
+            pe = self.reuse.ends.get(r.hashes[q - 1])
+            if pe is None:
+                self.reuse.mark(r.hashes[q - 1])
+            else:  # r continues a finished request's sequence
+                for m in self.managers:
+                    m.retire(r, q, pe)
         d = min((m.longest_hit(r, p) for m in self._full), default=0)
         if d > q:
             self.reuse.mark(r.hashes[d - 1])
@@ -415,8 +420,14 @@ class KVCacheManager:
         if r is None:
             raise KeyError(f"unknown request {req_id!r}")
         self._compute_prompt(r, False)
-        for m in self.managers:
-            m.free_all(r, self._key(r))
+        # One release: equal keys evict the longest prefix first across specs, so a
+        # prefix shrinks from its tail in every layer type at once (aligned rule).
+        self.alloc.begin_release()
+        try:
+            for m in self.managers:
+                m.free_all(r, self._key(r))
+        finally:
+            self.alloc.end_release()
         if self.write_behind:
             self._write_ahead(r)
         # An admission that was taken back computed nothing: no use to remember.
