@@ -744,7 +744,7 @@ class TwoLevelAllocator:
         lstamp, used, owner = self.lstamp, self.used, self.owner
         for queue, free in zip(self.lru_large, self.free_large):
             while queue and queue.peek()[0] < key:
-                _, _, lp, stamp = queue.pop()
+                *_, lp, stamp = queue.pop()
                 if stamp == lstamp[lp] and used[lp] == 0 and owner[lp] >= 0:
                     self._evict_large(lp)
                     free.append(lp)
