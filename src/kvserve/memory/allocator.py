@@ -655,13 +655,7 @@ class TwoLevelAllocator:
         k = sp.k
         if k > 1:  # its key: the latest of its cached pages' now (keys can go down), and
             # the shortest prefix among the pages of that time
-            base, hashes, last, plen = lp * k, sp.hash, sp.last, sp.plen
-            t, n = None, 0
-            for p in range(base, base + k):
-                if hashes[p] is not None:
-                    u = last[p]
-                    if t is None or u > t or u == t and plen[p] < n:
-                        t, n = u, plen[p]
+            t, n = _large_key(sp, lp)
             self.ltime[lp], self.lplen[lp] = DEAD if t is None else t, n
         sp.holes.pop(lp, None)
         sp.n_unused_large += 1
@@ -722,13 +716,7 @@ class TwoLevelAllocator:
         for lp in changed:
             if self.used[lp]:
                 continue
-            base = lp * k
-            t, n = None, 0
-            for p in range(base, base + k):
-                if hashes[p] is not None:
-                    u = last[p]
-                    if t is None or u > t or u == t and plen[p] < n:
-                        t, n = u, plen[p]
+            t, n = _large_key(sp, lp)
             if t is None or (t, n) == (self.ltime[lp], self.lplen[lp]):
                 continue
             self.ltime[lp], self.lplen[lp] = t, n
@@ -827,3 +815,16 @@ class TwoLevelAllocator:
         del sp.cached[sp.hash[pid]]
         sp.hash[pid] = None
         sp.stamp[pid] += 1
+
+
+def _large_key(sp: SpecPages, lp: int) -> tuple[int | None, int]:
+    """A large page's eviction key from its cached pages: the latest last use, and the
+    shortest prefix among the pages of that time (None: no cached page)."""
+    hashes, last, plen = sp.hash, sp.last, sp.plen
+    t, n = None, 0
+    for p in range(lp * sp.k, (lp + 1) * sp.k):
+        if hashes[p] is not None:
+            u = last[p]
+            if t is None or u > t or u == t and plen[p] < n:
+                t, n = u, plen[p]
+    return t, n
