@@ -183,8 +183,7 @@ def plot_timeline(runs, starts, bursts, idle_s: float, ceiling_mib: float, png: 
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True,
                                  gridspec_kw={"height_ratios": [3, 1]})
     ax.axhline(ceiling_mib, color="tab:red", ls="--", lw=1.5,
-               label=f"--kv-memory {ceiling_mib:.0f} MiB: the ceiling (reserved whole at "
-                     "start before the paged pool became elastic)")
+               label=f"--kv-memory {ceiling_mib:.0f} MiB: the ceiling")
     colors = {"vtensor": "tab:blue", "paged": "tab:green"}
     top = ceiling_mib
     for backend, rows in runs.items():
