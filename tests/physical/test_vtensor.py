@@ -176,31 +176,6 @@ def test_release_is_lazy_and_a_follow_up_turn_reuses_the_mapping():
     pool.close()
 
 
-def test_out_of_physical_memory_raises_and_loses_nothing():
-    pool = make_pool(num_chunks=6)
-    a = list(range(4 * TPC))
-    pool.create("a")
-    pool.extend("a", len(a))
-    write_tokens(pool, "a", a, 0, len(a))
-    pool.record("a", a[: TPC])
-    pool.create("b")
-    pool.create("c")
-    pool.extend("c", TPC)  # c: 1 chunk, released: cached, reclaimable
-    pool.release("c")
-    before = (list(pool.chunks.ref), set(pool.chunks.free), pool.backend.mappings,
-              len(pool.cached), len(pool.tree), pool.stats())
-    with pytest.raises(OutOfPhysicalMemory, match="need 3 chunks"):
-        pool.extend("b", 3 * TPC)  # 1 free + 1 cached < 3: the cache is not even touched
-    assert before == (list(pool.chunks.ref), set(pool.chunks.free), pool.backend.mappings,
-                      len(pool.cached), len(pool.tree), pool.stats())
-    assert read_tokens(pool, "a", len(a)) == a
-    pool.extend("b", 2 * TPC)  # 1 free + the cached chunk: the cache goes, not "a"'s prefix
-    assert len(pool.cached) == 0 and len(pool.tree) == 1
-    check_refs(pool)
-    check_vmas(pool)
-    pool.close()
-
-
 def test_memory_pressure_reclaims_the_prefix_tree_leaves_first():
     pool = make_pool(num_chunks=6)
     a = list(range(4 * TPC))

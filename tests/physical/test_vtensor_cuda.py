@@ -193,11 +193,15 @@ def test_out_of_physical_memory_raises_and_changes_nothing(kind):
     before = (list(pool.chunks.ref), set(pool.chunks.free), pool.backend.mappings,
               len(pool.cached), len(pool.tree), pool.stats())
     with pytest.raises(OutOfPhysicalMemory, match="need 3 chunks"):
-        pool.extend("b", 3 * tpc)
+        pool.extend("b", 3 * tpc)  # 1 free + 1 cached < 3: the cache is not even touched
     assert before == (list(pool.chunks.ref), set(pool.chunks.free), pool.backend.mappings,
                       len(pool.cached), len(pool.tree), pool.stats())
     assert read_tokens(pool, "a", len(a)) == a
+    pool.extend("b", 2 * tpc)  # 1 free + the cached chunk: the cache goes, not "a"'s prefix
+    assert len(pool.cached) == 0 and len(pool.tree) == 1
     check_refs(pool)
+    if kind == "cpu":
+        check_vmas(pool)
     sync(pool)
     pool.close()
 

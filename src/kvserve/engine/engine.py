@@ -386,16 +386,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the requests that changed."""
-        if self.share is not None:
-            try:
-                return self._step()
-            finally:
-                self.cfg.kv_share.settle(self.share)  # what this step left free, to others
-        return self._step()
+        if self.share is None:
+            return self._step()
+        self.cfg.kv_share.draw(self.share)  # free pages for this step, from the share
+        try:
+            return self._step()
+        finally:
+            self.cfg.kv_share.settle(self.share)  # what this step left free, to others
 
     def _step(self) -> list[RequestOutput]:
-        if self.share is not None:
-            self.cfg.kv_share.draw(self.share)  # free pages for this step, from the share
         batch, failed = self.scheduler.schedule()
         self.runner.retain(self.scheduler.running)
         outputs = []

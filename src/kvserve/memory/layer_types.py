@@ -414,11 +414,11 @@ class TextStream(SpecManager):
         mark needs them: cache them DEAD (evicted first)."""
         if self.spec.kind is LayerKind.FULL:
             return
-        hi = self._first_block(q)
-        lo = max(0, prompt_end - self.reuse.PROMPT_TAIL // self.T - self._reach())
+        hi, reach = self._first_block(q), self._reach()
+        lo = max(0, prompt_end - self.reuse.PROMPT_TAIL // self.T - reach)
         if lo >= hi:
             return
-        marks, hashes, reach = self.reuse.marks, r.hashes, self._reach()
+        marks, hashes = self.reuse.marks, r.hashes
         cached = self.alloc.specs[self.s].cached
         # Marked points e serve blocks [first_block(e), e): keep those.
         keep = [e for e in range(lo + 1, min(hi + reach, q) + 1) if hashes[e - 1] in marks]
