@@ -19,7 +19,7 @@ from kvserve.cpu_features import bf16_native, summary
 from kvserve.datasets.sharegpt import load_conversations
 from kvserve.models import Gemma3ForCausalLM, load_model_files
 from kvserve.models.attention_ref import sequence_logits
-from kvserve.models.quant import Q5Linear
+from kvserve.models.quant import Q5Linear, vnni
 
 VARIANTS = {
     "none (float32)": dict(quantization="none"),
@@ -32,6 +32,9 @@ VARIANTS = {
     # CPUs with native bf16 only: Q8_0 for steps of <= 16 rows, bf16 GEMM above (so here,
     # whole texts at once, the bf16 copy: weights and activations rounded to bf16).
     "q8+bf16 (bf16 GEMM)": dict(quantization="q8+bf16"),
+    # CPUs with VNNI only: Q8_0 for steps of <= 16 rows, int8 x int8 blocks above (so here
+    # the int8 copy: activations rounded to int8 blocks of 32, as llama.cpp does).
+    "q8+int8 (int8 x int8 blocks)": dict(quantization="q8+int8"),
     "fp16 (all linears + head)": dict(quantization="fp16"),
     "int8 (all linears + head)": dict(quantization="int8"),
 }
@@ -60,7 +63,8 @@ def main() -> None:
     docs = [tok(t).input_ids[: args.tokens] for t in texts(args.texts)]
     models = {}
     for name, kw in VARIANTS.items():
-        if kw["quantization"] == "q8+bf16" and not bf16_native():
+        if (kw["quantization"] == "q8+bf16" and not bf16_native()
+                or kw["quantization"] == "q8+int8" and not vnni()):
             continue
         if args.only and name != next(iter(VARIANTS)) and not any(
                 name.startswith(p) for p in args.only.split(",")):

@@ -13,12 +13,16 @@ from kvserve.kernels.q5 import q5_blocks, q5_dequantize
 from kvserve.models import Gemma3ForCausalLM
 from kvserve.models.attention_ref import sequence_logits
 from kvserve.models.quant import (
+    I8Linear,
     Q5Linear,
     Q8Bf16Linear,
+    Q8I8Linear,
     Q8Linear,
     fbgemm_available,
     quantized,
     resolve_quantization,
+    serves_q5,
+    vnni,
 )
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(),
@@ -112,6 +116,41 @@ def test_q8_bf16_is_refused_where_bf16_is_emulated() -> None:
         resolve_quantization("q8+bf16", CPU, GGUF_TYPES, torch.bfloat16)
 
 
+@pytest.mark.skipif(not vnni() or cpu_kernels() is None,
+                    reason="q8+int8 needs VNNI (AVX-512 VNNI or AVX-VNNI) and the C kernels")
+def test_q8_int8_reads_q8_for_a_few_rows_and_int8_blocks_for_batches() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(304, 640) * 0.05
+    hybrid, q8 = quantized(w, "q8+int8"), quantized(w, "q8")
+    assert isinstance(hybrid, Q8I8Linear)
+    for rows in (1, 16, 17, 64):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, 640).to(dtype)
+            got = hybrid(x)
+            assert got.dtype == dtype and got.shape == (rows, 304)
+            if rows <= hybrid.SMALL:  # the Q8_0 copy: exactly what q8 alone gives
+                assert torch.equal(got, q8(x))
+            else:  # int8 blocks on both sides
+                assert torch.equal(got, hybrid.i8(x)) and not torch.equal(got, q8(x))
+                assert rel_err(got, x.float() @ w.T) < 0.02
+    assert hybrid(torch.randn(0, 640)).shape == (0, 304)
+    assert hybrid.nbytes() == q8.nbytes() + 304 * 640 + 304 * 20 * 4
+    # i8matmul.c takes columns 16 at a time: any other count is served by q8 alone.
+    assert isinstance(quantized(torch.randn(300, 640), "q8+int8"), Q8Linear)
+    # A Q5_0 weight keeps its own blocks for a few rows and gets an int8 copy beside them.
+    w5 = q5_dequantize(*q5_blocks(w))
+    if serves_q5():
+        small = quantized(w5, "q8+int8").q8
+        assert isinstance(small, Q5Linear)
+    assert isinstance(quantized(w5, "q8+int8").i8, I8Linear)
+
+
+@pytest.mark.skipif(vnni(), reason="this CPU has VNNI")
+def test_q8_int8_is_refused_without_vnni() -> None:
+    with pytest.raises(ValueError, match="VNNI"):
+        resolve_quantization("q8+int8", CPU, GGUF_TYPES)
+
+
 def test_bad_choices_are_refused_up_front() -> None:
     with pytest.raises(ValueError, match="unknown quantization"):
         resolve_quantization("int3", CPU, GGUF_TYPES)
@@ -128,11 +167,11 @@ def test_real_model_quantized_predicts_like_float32(kv: KvModel) -> None:
     ids = kv.tokenizer(ledger_text(12)).input_ids[:120]
     want = predictions(kv.model, ids)
     agreement = {}
-    for mode in ("q8", "fp16", "int8"):
+    for mode in ("q8", "fp16", "int8") + (("q8+int8",) if vnni() else ()):
         model = Gemma3ForCausalLM.from_state_dict(kv.config, dict(kv.state_dict))
         held = model.quantize(mode)
         assert model.model.layers[0].mlp.down_proj.weight.is_meta  # float copy dropped
-        assert held <= {"q8": 1.13, "fp16": 2, "int8": 1.1}[mode] * sum(
+        assert held <= {"q8": 1.13, "fp16": 2, "int8": 1.1, "q8+int8": 2.3}[mode] * sum(
             w.numel() for n, w in kv.state_dict.items() if n.endswith("proj.weight")
             or n == "model.embed_tokens.weight")
         agreement[mode] = float((predictions(model, ids) == want).float().mean())
@@ -140,3 +179,5 @@ def test_real_model_quantized_predicts_like_float32(kv: KvModel) -> None:
     # (benchmarks/quant_quality.py); a wrong scale or layout agrees on almost nothing.
     assert agreement["fp16"] >= 0.98 and agreement["q8"] >= 0.97, agreement
     assert agreement["int8"] >= 0.6, agreement
+    # q8+int8 (whole texts at once: its int8 copy) measured 97.4% there.
+    assert agreement.get("q8+int8", 1.0) >= 0.95, agreement

@@ -16,7 +16,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 where the device computes it natively, else float32")
     p.add_argument("--quantization", default="auto",
-                   choices=["auto", "none", "q8", "q8+bf16", "fp16", "int8"],  # QUANTIZATIONS
+                   choices=["auto", "none", "q8", "q8+bf16", "q8+int8", "fp16", "int8"],  # QUANTIZATIONS
                    help="weights: auto keeps roughly what the file ships for a quantized "
                         "GGUF on a CPU (q8; q8+bf16 where bf16 runs natively: Q8_0 for "
                         "decode, bf16 for batches), none serves them in --dtype")

@@ -74,6 +74,8 @@ _SIGNATURES = {
     "kvs_q5_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT]),
     "kvs_q5_pack": (None, [_VP, _VP, _I64, _INT, _VP, _VP, _INT]),
     "kvs_q5_quantize": (_I64, [_VP, _I64, _INT, _VP, _VP, _INT]),
+    "kvs_i8_pack": (None, [_VP, _I64, _INT, _VP, _VP, _INT]),
+    "kvs_i8_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT, _INT]),
 }
 
 
@@ -176,8 +178,8 @@ class CpuKernels:
         return out
 
     Q8_GROUP = 128  # qmatmul.c interleaves the weights in groups of 4 blocks
-    # The version of what q8_pack / q8_quantize write (the interleaving, the padding, the
-    # rounding): saved packed weights (models/packed.py) are kept under it, so bump it
+    # The version of what q8_pack / q8_quantize / i8_pack write (the interleaving, the
+    # padding, the rounding): saved packed weights (models/packed.py) are kept under it, so bump it
     # whenever any of those change or old files would be read as the new layout.
     Q8_LAYOUT = 1
 
@@ -271,6 +273,38 @@ class CpuKernels:
             raise ValueError("q5_matmul: x float32 [M, K], K a multiple of 32, and q, d "
                              "from q5_pack for that K")
         return self._qmatmul("q5", _ptr(q, torch.uint8), _ptr(d, torch.float16), x, N)
+
+    I8_LANES = 16  # i8matmul.c stores the weights of 16 output columns side by side
+
+    def i8_pack(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A float weight [N, K] (N a multiple of 16, K of 32) rounded to int8 blocks of 32
+        (Q8_0's values) in i8_matmul's layout (i8matmul.c, kvs_i8_pack): uint8 [N, K] and
+        float32 scales [N, K / 32], neither of them row-major."""
+        N, K = w.shape
+        if K % 32 or N % self.I8_LANES:
+            raise ValueError("i8_pack: w [N, K], N a multiple of 16, K of 32")
+        q = torch.empty((N, K), dtype=torch.uint8)
+        d = torch.empty((N, K // 32), dtype=torch.float32)
+        self.lib.kvs_i8_pack(_ptr(w, torch.float32, N * K), N, K, q.data_ptr(), d.data_ptr(),
+                             torch.get_num_threads())
+        return q, d
+
+    def i8_matmul(self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 or bfloat16 (unit stride in K, any M >= 0) @ W.T for W [N, K]
+        packed by i8_pack (q, d), the activations rounded to int8 blocks of 32 -> [M, N]
+        in x's dtype."""
+        M, K = x.shape
+        N = q.shape[0]
+        if (x.dtype not in _DTYPES or x.stride(-1) != 1 or K % 32 or q.shape != (N, K)
+                or N % self.I8_LANES or d.shape != (N, K // 32)):
+            raise ValueError("i8_matmul: x float32/bfloat16 [M, K], K a multiple of 32, and "
+                             "q, d from i8_pack for that K")
+        y = torch.empty((M, N), dtype=x.dtype)
+        if self.lib.kvs_i8_matmul(_ptr(q, torch.uint8), _ptr(d, torch.float32), x.data_ptr(),
+                                  x.stride(0), M, N, K, y.data_ptr(), _DTYPES[x.dtype],
+                                  torch.get_num_threads()):
+            raise MemoryError("i8_matmul: no scratch memory")
+        return y
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """First index of each row's maximum, logits [B, V] contiguous -> int64 [B]."""

@@ -1,8 +1,8 @@
 """A quantized model saved as served: a warm start maps it instead of quantizing again.
 
-Serving q8 or q8+bf16 from a converted GGUF (models/loader.py) means building the float32
-model (fusing q/k/v and gate/up: ~1 s of copying on 2 cores), rounding every linear to
-Q8_0 blocks, and for q8+bf16 casting the model and every weight to bf16 (~3.5 s in all
+Serving q8, q8+bf16 or q8+int8 from a converted GGUF (models/loader.py) means building the
+float32 model (fusing q/k/v and gate/up: ~1 s of copying on 2 cores), rounding every linear
+to Q8_0 blocks (for q8+int8 twice, in two layouts), and for q8+bf16 casting the model and every weight to bf16 (~3.5 s in all
 for Gemma 3 270M). All of it is a function of the converted weights, the mode, the dtype
 and the Q8_0 layout, so the first start writes the result next to the converted weights,
 `packed-<mode>-<dtype>-v<format>.safetensors`, and later starts map that file:
@@ -42,10 +42,10 @@ from kvserve.models.layers import Linear
 from kvserve.models.quant import from_packed, serves_q5
 
 FORMAT = 1  # bump when what the file holds changes
-MODES = ("q8", "q8+bf16")
+MODES = ("q8", "q8+bf16", "q8+int8")
 HEAD = "tied_head"  # the key prefix of a tied embedding's packed head
 _CHUNK = 1 << 24  # bytes read at a time while checking the CRC
-_PARTS = ("q", "d", "q5", "d5", "bf16")  # what a packed layer's packed_state holds
+_PARTS = ("q", "d", "q5", "d5", "bf16", "i8q", "i8d")  # what a packed layer's packed_state holds
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8,
@@ -151,6 +151,9 @@ def _part_specs(mode: str, out_features: int, in_features: int, q5: bool) -> dic
                  "d": ((out_features, kp // 32), torch.float32)}
     if mode == "q8+bf16":
         specs["bf16"] = ((out_features, in_features), torch.bfloat16)
+    if mode == "q8+int8" and out_features % CpuKernels.I8_LANES == 0:
+        specs["i8q"] = ((out_features, in_features), torch.uint8)
+        specs["i8d"] = ((out_features, in_features // 32), torch.float32)
     return specs
 
 

@@ -21,6 +21,11 @@ re-quantized from the GGUF's dequantized values.
 - q8+bf16 (the default where bf16 runs natively, for a bf16 model): the q8 copy for steps
   of up to 16 rows, and a oneDNN-packed bf16 copy (every weight rounded to bf16, activations
   too) for larger ones, where oneDNN's native bf16 dot products beat our int16 kernel.
+- q8+int8 (on request, where the CPU has VNNI): the q8 copy for steps of up to 16 rows,
+  and above them both sides in int8 blocks of 32 (llama.cpp's Q8_0 x Q8_0: the weights as
+  Q8_0, each activation block rounded to int8 at each call; kernels/i8matmul.c). 1.3-1.6x
+  the bf16 GEMM at 32 rows; 2.25 bytes a weight for both copies. The rounded activations
+  cost quality (docs/benchmarks.md), so auto does not pick it.
 - fp16: every weight rounded to float16 (11 significant bits, far finer than the 4-8 bits
   the file ships); activations and sums in float32. Top-1 agreement with the float32 model
   99.98%, same perplexity (ShareGPT text, 6144 tokens).
@@ -41,7 +46,7 @@ from torch import nn
 from kvserve.cpu_features import bf16_native, cpu_flags
 from kvserve.kernels.cpu import CpuKernels, cpu_kernels
 
-QUANTIZATIONS = ("auto", "none", "q8", "q8+bf16", "fp16", "int8")
+QUANTIZATIONS = ("auto", "none", "q8", "q8+bf16", "q8+int8", "fp16", "int8")
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 
 
@@ -81,6 +86,9 @@ def resolve_quantization(mode: str, device: torch.device, source_types: list[str
     if mode.startswith("q8") and cpu_kernels() is None:
         raise ValueError(f"quantization {mode} needs kvserve's C kernels, which did not "
                          "build here")
+    if mode == "q8+int8" and not vnni():
+        raise ValueError("quantization q8+int8 needs a CPU with int8 dot products (AVX-512 "
+                         "VNNI or AVX-VNNI); this one has neither: use q8")
     if mode == "q8+bf16" and not bf16_native():
         raise ValueError("quantization q8+bf16 needs a CPU that computes bf16 natively "
                          "(AVX-512 BF16 or AMX); this one has neither: use q8")
@@ -211,6 +219,35 @@ class Q5Linear(BlockLinear):
         return None if linear.inexact else linear
 
 
+def vnni() -> bool:
+    """Whether this CPU has int8 dot products (AVX-512 VNNI or AVX-VNNI), which I8Linear's
+    kernel needs to be fast (its plain path is only a fallback)."""
+    return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
+
+
+class I8Linear(BlockLinear):
+    """Both sides in int8 blocks of 32 (llama.cpp's Q8_0 x Q8_0, kernels/i8matmul.c): the
+    weights rounded as Q8_0 once, each activation block of 32 at every call, products summed
+    by VNNI's vpdpbusd, 64 an AVX-512 instruction where bf16 and int16 do 32. For steps that
+    compute more than they read (more than SMALL rows). The output columns must be a multiple
+    of 16 (Gemma 3's, Llama's and SmolLM2's all are)."""
+
+    KIND = "i8"
+    KEYS = ("i8q", "i8d")
+
+    def _quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.i8_pack(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # float32 or bf16 rows go in as they are
+        rows = rows if rows.dtype == torch.bfloat16 else rows.float()
+        y = self.kernels.i8_matmul(rows.contiguous(), self.q, self.d)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def nbytes(self) -> int:
+        return self.q.numel() + self.d.numel() * 4
+
+
 class Int8Linear:
     """x @ weight.T with the weight as int8, one symmetric scale per output row.
 
@@ -244,18 +281,35 @@ class Int8Linear:
         return self.out_features * (self.in_features + 8)
 
 
-class Q8Bf16Linear:
-    """Q8_0 (our kernel) for steps of up to SMALL rows, oneDNN's bf16 GEMM above, on CPUs
+class SplitLinear:
+    """Two copies of a weight: Q8_0 (or a file's own Q5_0 blocks) through our int16 kernel
+    for steps of up to SMALL rows, which read the weights (Q8_0: 1.125 bytes a weight) and
+    keep the activations to 16 bits, and a copy made to compute for larger steps."""
+
+    SMALL = 16
+    q8: BlockLinear
+    out_features: int
+    in_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= self.SMALL * self.in_features:
+            return self.q8(x)
+        return self._large(x)
+
+    def _large(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Q8Bf16Linear(SplitLinear):
+    """Q8_0 for steps of up to SMALL rows, oneDNN's bf16 GEMM above, on CPUs
     that compute bf16 natively. Measured on a 2-core Zen 4 EPYC (AVX-512 BF16 and VNNI) for
     Gemma 3 270M's shapes: at one row Q8_0 is 2.5-3x faster (the step reads the weights,
     and Q8_0 is 1.125 bytes a weight against bf16's 2); from 16-32 rows oneDNN's bf16
     dot products win (1.3-2x at 32), as our int16 kernel spends as many instructions
     scaling each block as multiplying it. Two copies: 3.125 bytes a weight."""
 
-    SMALL = 16
-
     def __init__(self, weight: torch.Tensor, small: Q5Linear | None = None) -> None:
-        self.q8: BlockLinear = small or Q8Linear(weight)  # a Q5_0 weight's own blocks
+        self.q8 = small or Q8Linear(weight)  # a Q5_0 weight's own blocks
         self._init_bf16(weight.detach().bfloat16().contiguous())
 
     def _init_bf16(self, bf16: torch.Tensor) -> None:
@@ -293,9 +347,7 @@ class Q8Bf16Linear:
             self.bf16 = None
         return self._packed
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= self.SMALL * self.in_features:
-            return self.q8(x)
+    def _large(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -304,9 +356,43 @@ class Q8Bf16Linear:
         return self.q8.nbytes() + self.out_features * self.in_features * 2
 
 
-QuantLinear = Fp16Linear | BlockLinear | Q8Bf16Linear | Int8Linear
+
+
+class Q8I8Linear(SplitLinear):
+    """Q8_0 for steps of up to SMALL rows, int8 blocks on both sides (I8Linear) above, on
+    CPUs with VNNI: 1.3-1.6x oneDNN's bf16 GEMM for Gemma 3 270M's shapes at 32 rows, and
+    2.25 bytes a weight for both copies (q8+bf16: 3.125). The large steps' activations are
+    rounded to 8 bits (per block of 32, as llama.cpp does), which costs some quality:
+    docs/benchmarks.md has top-1 agreement and perplexity."""
+
+    def __init__(self, weight: torch.Tensor, small: Q5Linear | None = None) -> None:
+        self.q8 = small or Q8Linear(weight)
+        self.i8 = I8Linear(weight)
+        self.out_features, self.in_features = weight.shape
+
+    @classmethod
+    def from_packed(cls, small: BlockLinear, i8q: torch.Tensor,
+                    i8d: torch.Tensor) -> Q8I8Linear:
+        """The layer over saved copies (models/packed.py)."""
+        self = cls.__new__(cls)
+        self.q8, self.i8 = small, I8Linear.from_packed(i8q, i8d, small.in_features)
+        self.out_features, self.in_features = small.out_features, small.in_features
+        return self
+
+    def packed_state(self) -> dict[str, torch.Tensor]:
+        return {**self.q8.packed_state(), **self.i8.packed_state()}
+
+    def _large(self, x: torch.Tensor) -> torch.Tensor:
+        return self.i8(x)
+
+    def nbytes(self) -> int:
+        return self.q8.nbytes() + self.i8.nbytes()
+
+
+QuantLinear = Fp16Linear | BlockLinear | SplitLinear | Int8Linear
 _KINDS: dict[str, type[QuantLinear]] = {"fp16": Fp16Linear, "q8": Q8Linear,
-                                        "q8+bf16": Q8Bf16Linear, "int8": Int8Linear}
+                                        "q8+bf16": Q8Bf16Linear, "q8+int8": Q8I8Linear,
+                                        "int8": Int8Linear}
 
 
 def quantized(weight: torch.Tensor, mode: str) -> QuantLinear:
@@ -315,10 +401,12 @@ def quantized(weight: torch.Tensor, mode: str) -> QuantLinear:
     CPUs: no rounding, 0.61x Q8_0's bytes at decode, and within 2-7% of Q8_0's speed at
     32-512 rows (benchmarks/cpu_linears.py --cold), so q8 serves it so at every step size
     (one copy) and q8+bf16 below its bf16 copy."""
-    if mode in ("q8", "q8+bf16"):
+    if mode == "q8+int8" and weight.shape[0] % CpuKernels.I8_LANES:
+        mode = "q8"  # i8matmul.c takes output columns 16 at a time
+    if mode.startswith("q8"):
         q5 = Q5Linear.exact(weight)
         if q5 is not None:
-            return q5 if mode == "q8" else Q8Bf16Linear(weight, q5)
+            return q5 if mode == "q8" else _KINDS[mode](weight, q5)
     return _KINDS[mode](weight)
 
 
@@ -330,6 +418,10 @@ def from_packed(mode: str, parts: dict[str, torch.Tensor], in_features: int) -> 
         return small
     if mode == "q8+bf16":
         return Q8Bf16Linear.from_packed(small, parts["bf16"])
+    if mode == "q8+int8":
+        if "i8q" not in parts:  # saved as q8 alone (quantized: columns not 16 at a time)
+            return small
+        return Q8I8Linear.from_packed(small, parts["i8q"], parts["i8d"])
     raise ValueError(f"no saved form for quantization {mode!r}")
 
 
