@@ -4,8 +4,10 @@
         [--cold 96]
 
 Candidates: float32 F.linear; bf16 F.linear (oneDNN, native only with AVX-512 BF16/AMX);
-fbgemm fp16 and dynamic int8 (what --quantization fp16/int8 run); our Q8_0 and Q5_0 kernels
-(q8, q5: what q8 serves a GGUF's Q5_0 tensors with);
+bf16 packed (oneDNN's prepacked weight: q8+bf16 above 16 rows); int8 blocks (both sides in
+int8 blocks of 32 through VNNI: q8+int8 above 16 rows); fbgemm fp16 and dynamic int8 (what
+--quantization fp16/int8 run); our Q8_0 and Q5_0 kernels (q8, q5: what q8 serves a GGUF's
+Q5_0 tensors with);
 torch's weight-only `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (group 32).
 Prints ms per call (best of --rounds, candidates interleaved so that a busy machine slows
 them alike) with the ratio to float32 and to fbgemm fp16, and the CPU it ran on.
@@ -21,7 +23,7 @@ import warnings
 import torch
 
 from kvserve.cpu_features import summary
-from kvserve.models.quant import Q5Linear, quantized
+from kvserve.models.quant import I8Linear, Q5Linear, pack_weight, quantized
 
 SHAPES = {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048),
           "head": (262144, 640)}
@@ -57,10 +59,24 @@ def bf16_linear(w: torch.Tensor):
     return lambda x: torch.nn.functional.linear(x.bfloat16(), wb)
 
 
+def bf16_packed_linear(w: torch.Tensor):
+    """What q8+bf16 runs above 16 rows: oneDNN's prepacked bf16 weight, bf16 rows."""
+    wp = pack_weight(w.bfloat16())
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), wp, None, "none", [], "")
+
+
+def i8_linear(w: torch.Tensor):
+    """What q8+int8 runs above 16 rows (bf16 rows in and out, as in a bf16 model)."""
+    linear = I8Linear(w)
+    return lambda x: linear(x.bfloat16())
+
+
 # name: a function of the float weight giving the candidate's x -> x @ w.T
 MAKERS = {
     "f32": lambda w: lambda x: torch.nn.functional.linear(x, w),
     "bf16": bf16_linear,
+    "bf16 packed": bf16_packed_linear,
+    "int8 blocks": i8_linear,
     "fbgemm fp16": lambda w: quantized(w, "fp16"),
     "fbgemm int8": lambda w: quantized(w, "int8"),
     "q8": lambda w: quantized(w, "q8"),

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve.cpu_features import cpu_flags
 from kvserve.kernels.cpu import kernels_for
 from kvserve.models.base import StateSeq
 from kvserve.models.dist_attention import Partial, RemoteKV, merge, partial_attention
@@ -119,6 +120,14 @@ class PagedAttention:
         views = [v for per_spec in pool.views.values() for v in per_spec]
         # The compiled CPU kernels, or None: torch ops (any device) do the same.
         self.kernels = kernels_for(views[0]) if len({v.dtype for v in views}) == 1 else None
+        # Prefill chunks go to the kernel too where it has native bf16 dot products: with
+        # them it beat SDPA over gathered pages at every prompt length measured, 64 to 8192
+        # tokens (2.6-7x; docs/benchmarks.md). In float32 it walks one query row at a time
+        # and loses to SDPA up to ~1K-token chunks, so those keep SDPA; softcapped layers
+        # (Gemma 2) take the torch path for everything.
+        self.kernel_prefill = (self.kernels is not None and not self._softcapped
+                               and views[0].dtype == torch.bfloat16
+                               and "avx512_bf16" in cpu_flags())
         self.state_plans: dict[str, list[StateSeq]] = {}
 
     # ----------------------------------------------------------------- prepare
@@ -148,11 +157,9 @@ class PagedAttention:
         return pos.to(self.device)
 
     def _prepare_kernel(self, pos: torch.Tensor) -> None:
-        """The kernel path: decode rows go to the kernel, prefill chunks to SDPA over
-        gathered pages. The kernel walks one query row at a time, which for a
-        512-token chunk is 3-9x slower than SDPA on the gathered copy
-        (benchmarks/vtensor_attention.py); for one row per sequence it is the faster."""
-        self._prepare_prefill()
+        """The kernel path: decode rows go to the kernel, and prefill chunks too where
+        kernel_prefill says so, else to SDPA over gathered pages."""
+        self._prepare_prefill(chunks=not self.kernel_prefill)
         ranges = {key: self._key_ranges(pos, *key) for key in self._windows}
         self.decode_index = None
         if self.prefill_rows:
@@ -164,10 +171,10 @@ class PagedAttention:
                       for key, (t, seq, lo, n) in ranges.items()}
         self.ranges = ranges
 
-    def _prepare_prefill(self) -> None:
-        """Prefill chunks, one gather each, and every sequence's first row."""
+    def _prepare_prefill(self, chunks: bool = True) -> None:
+        """Every sequence's first row, and (chunks) the prefill chunks, one gather each."""
         seqs = self.seqs
-        self.prefill_rows = [i for i, s in enumerate(seqs) if s.num_new > 1]
+        self.prefill_rows = [i for i, s in enumerate(seqs) if s.num_new > 1] if chunks else []
         offsets = [0]
         for s in seqs:
             offsets.append(offsets[-1] + s.num_new)
