@@ -53,11 +53,15 @@ def test_i8_matmul_at_gemma_shapes_and_past_a_row_block(kernels, M, N, K):
 
 
 def unpack(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """The weights i8_pack's layout holds: column n's value k at vector n // 16, word k // 4,
-    lane n % 16, byte k % 4, stored plus 128; scale of block b at vector, b, lane."""
+    """The weights i8_pack's layout holds. Columns go in tiles of 3 vectors of 16 (fewer in
+    the last tile); a tile's vectors are interleaved word by word: column n's value k is at
+    word k // 4 of its vector, lane n % 16, byte k % 4, stored plus 128. Scales: vector n // 16,
+    block k // 32, lane n % 16."""
     N, K = q.shape
     n, k = torch.meshgrid(torch.arange(N), torch.arange(K), indexing="ij")
-    at = (n // 16) * K * 16 + (k // 4) * 64 + (n % 16) * 4 + k % 4
+    tile, vectors = n // 48, N // 16
+    in_tile = torch.clamp(vectors - 3 * tile, max=3)
+    at = tile * 48 * K + ((k // 4) * in_tile + n % 48 // 16) * 64 + (n % 16) * 4 + k % 4
     values = q.flatten()[at].int() - 128
     scales = d.flatten()[(n // 16) * (K // 32) * 16 + (k // 32) * 16 + n % 16]
     return values * scales
@@ -67,8 +71,8 @@ def test_i8_pack_keeps_q8_0_weights_exactly(kernels):
     """A weight on a Q8_0 grid (the GGUF's own Q8_0 tensors, such as Gemma 3's embedding)
     is packed without rounding, and any weight as q8_blocks rounds it."""
     torch.manual_seed(0)
-    q, d = q8_blocks(torch.randn(48, 96))
-    w = (q.float().view(48, 3, 32) * d[..., None]).view(48, 96)
+    q, d = q8_blocks(torch.randn(80, 96))  # a tile of 3 vectors, then one of 2
+    w = (q.float().view(80, 3, 32) * d[..., None]).view(80, 96)
     assert torch.equal(unpack(*kernels.i8_pack(w)), w)
     other = torch.randn(32, 64)
     other[1, :32] = 0.0

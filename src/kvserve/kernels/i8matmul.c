@@ -12,7 +12,8 @@
  * Layout: the output columns go across the 16 int32 lanes of a vector, and vpdpbusd sums 4
  * consecutive products into each lane, so the weights of 16 columns are stored as
  * [K / 4][16 columns][4 values], and one activation word (4 int8 values) is broadcast to
- * every lane. vpdpbusd multiplies unsigned bytes by signed ones: the weights are stored
+ * every lane. A tile's 3 vectors are interleaved word by word ([K / 4][3][16][4]), so its
+ * weights are one sequential stream (the LM head at 32 rows: 5% faster than 3 streams). vpdpbusd multiplies unsigned bytes by signed ones: the weights are stored
  * plus 128 (unsigned), the activations as they are, and each block's sum starts at
  * -128 * (the sum of its activation values), which takes the 128 back off exactly.
  *
@@ -40,9 +41,13 @@
 #define CHUNK 16
 #endif
 
-/* Weights of column n, value k, in the packed form: vector n / 16, word k / 4. */
-static inline int64_t w_at(int64_t n, int K, int k) {
-    return (n / LANES) * (int64_t)K * LANES + (k / 4) * LANES * 4 + (n % LANES) * 4 + k % 4;
+/* Weights of column n (of N), value k, in the packed form: the tile's vectors interleaved
+ * word by word, so that a tile reads its weights as one sequential stream. */
+static inline int64_t w_at(int64_t n, int64_t N, int K, int k) {
+    const int64_t t = n / (TC * LANES), left = N / LANES - t * TC;
+    const int nvt = left < TC ? (int)left : TC;
+    return t * TC * LANES * (int64_t)K + ((int64_t)(k / 4) * nvt + n % (TC * LANES) / LANES) * LANES * 4 +
+           (n % LANES) * 4 + k % 4;
 }
 
 /* One row of 32-value blocks to int8 with a float scale each (d = max |x| / 127, q = x / d
@@ -133,7 +138,7 @@ INLINE void tile(const int R, const int V, const uint8_t *w, const float *sw, co
         for (int k = 0; k < 8; k++) {
             ivec wv[VC];
             for (int v = 0; v < V; v++)
-                wv[v] = LOAD_W(w + (int64_t)(v / HALVES) * K * LANES + (b * 8 + k) * LANES * 4 +
+                wv[v] = LOAD_W(w + ((int64_t)(b * 8 + k) * (V / HALVES) + v / HALVES) * LANES * 4 +
                                (v % HALVES) * VW * 4);
             for (int r = 0; r < R; r++) {
                 int32_t word;
@@ -196,7 +201,7 @@ static void gemm(const uint8_t *w, const float *sw, const int8_t *xq, const floa
             for (int b = 0; b < nb; b++) {
                 int32_t s = xc[m * nb + b];
                 for (int k = 32 * b; k < 32 * b + 32; k++)
-                    s += (int32_t)w[w_at(n, K, k)] * xq[(int64_t)m * K + k];
+                    s += (int32_t)w[w_at(n, N, K, k)] * xq[(int64_t)m * K + k];
                 acc += (float)s * sw[(n / LANES) * nb * LANES + b * LANES + n % LANES] *
                        xd[m * nb + b];
             }
@@ -221,7 +226,7 @@ void kvs_i8_pack(const float *wt, int64_t N, int K, uint8_t *w, float *sw, int t
             for (int j = 0; j < 32; j++) amax = fabsf(src[j]) > amax ? fabsf(src[j]) : amax;
             const float d = amax / 127.f;
             for (int j = 0; j < 32; j++)
-                w[w_at(n, K, 32 * b + j)] = (uint8_t)((amax > 0.f ? (int)rintf(src[j] / d) : 0) + 128);
+                w[w_at(n, N, K, 32 * b + j)] = (uint8_t)((amax > 0.f ? (int)rintf(src[j] / d) : 0) + 128);
             sw[(n / LANES) * nb * LANES + b * LANES + n % LANES] = d;
         }
 }
