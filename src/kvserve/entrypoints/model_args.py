@@ -16,10 +16,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 where the device computes it natively, else float32")
     p.add_argument("--quantization", default="auto",
-                   choices=["auto", "none", "q8", "q8+bf16", "q8+int8", "fp16", "int8"],  # QUANTIZATIONS
+                   # = quant.QUANTIZATIONS, written out: parsing arguments imports no torch
+                   choices=["auto", "none", "q8", "q8+bf16", "q8+int8", "fp16", "int8"],
                    help="weights: auto keeps roughly what the file ships for a quantized "
                         "GGUF on a CPU (q8; q8+bf16 where bf16 runs natively: Q8_0 for "
-                        "decode, bf16 for batches), none serves them in --dtype")
+                        "decode, bf16 for batches); q8+int8 (VNNI CPUs, on request) int8 "
+                        "blocks for batches: faster, a little less exact; none serves them "
+                        "in --dtype")
     p.add_argument("--kv-backend", default="paged", choices=["paged", "vtensor"],
                    help="where KV data lives: paged (one pool of pages, paged attention) or "
                         "vtensor (per-request contiguous virtual tensors, plain SDPA; CPU)")

@@ -19,6 +19,16 @@
 
 #include "bf16.h"
 
+/* Key and value rows are prefetched this many rows ahead: a sequence's rows lie on pages
+ * anywhere in the pool, and the hardware prefetcher, which follows addresses within a 4 KB
+ * page, loses them at every page (decode attention of 32 rows x 200 keys, Gemma 3 270M, 18
+ * layers: 6.5 -> 4.1 ms a step; 8 and 16 rows ahead measured alike, 4 less). */
+#define AHEAD 16
+
+static inline void prefetch_row(const void *row, size_t bytes) {
+    for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b);
+}
+
 static inline float dot(const float *restrict a, const float *restrict b, int n) {
     float s = 0.f;
     #pragma omp simd reduction(+ : s)
@@ -57,6 +67,10 @@ INLINE void scores_g(const int G, const uint16_t *q, const uint16_t *const *rows
                      int D, float *sc) {
     for (int i = 0; i < n; i += 2) {
         const uint16_t *r0 = rows[i], *r1 = rows[i + 1 < n ? i + 1 : i];
+        if (i + AHEAD + 1 < n) {
+            prefetch_row(rows[i + AHEAD], (size_t)D * 2);
+            prefetch_row(rows[i + AHEAD + 1], (size_t)D * 2);
+        }
         __m512 acc[16];
         for (int a = 0; a < 2 * G; a++) acc[a] = _mm512_setzero_ps();
         for (int d = 0; d < D; d += 32) {
@@ -96,6 +110,10 @@ INLINE void values_g(const int G, const float *p, const uint16_t *const *rows,
         for (int j = 0; j < 2 * W * G; j++) a[j] = _mm512_setzero_ps();
         for (int i = 0; i < n; i += 2) {
             const uint16_t *r0 = rows[i] + d, *r1 = i + 1 < n ? rows[i + 1] + d : zero;
+            if (d == 0 && i + AHEAD + 1 < n) {  /* whole rows: the later blocks read them too */
+                prefetch_row(rows[i + AHEAD], (size_t)D * 2);
+                prefetch_row(rows[i + AHEAD + 1], (size_t)D * 2);
+            }
             __m512i v[4];
             for (int h = 0; h < W; h++) {
                 const __m512i x = _mm512_loadu_si512(r0 + 32 * h);
@@ -197,6 +215,7 @@ static int attend_bf16(int G, const uint16_t *q, const uint16_t *const *keys,
 static void scores_f32(const float *qf, const char *const *rows, int n, int G, int D,
                        int is_bf16, float *row, float *sc) {
     for (int i = 0; i < n; i++) {
+        if (i + AHEAD < n) prefetch_row(rows[i + AHEAD], (size_t)D * (is_bf16 ? 2 : 4));
         load_row(rows[i], 0, row, D, is_bf16);
         for (int g = 0; g < G; g++) sc[(size_t)g * n + i] = dot(qf + (size_t)g * D, row, D);
     }
@@ -206,6 +225,7 @@ static void values_f32(const float *p, const char *const *rows, int n, int G, in
                        int is_bf16, float *row, float *acc) {
     memset(acc, 0, sizeof(float) * (size_t)G * D);
     for (int i = 0; i < n; i++) {
+        if (i + AHEAD < n) prefetch_row(rows[i + AHEAD], (size_t)D * (is_bf16 ? 2 : 4));
         load_row(rows[i], 0, row, D, is_bf16);
         for (int g = 0; g < G; g++) {
             const float pg = p[(size_t)g * n + i];
