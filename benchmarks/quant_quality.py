@@ -32,6 +32,8 @@ VARIANTS = {
     # CPUs with native bf16 only: Q8_0 for steps of <= 16 rows, bf16 GEMM above (so here,
     # whole texts at once, the bf16 copy: weights and activations rounded to bf16).
     "q8+bf16 (bf16 GEMM)": dict(quantization="q8+bf16"),
+    # The same, 4 tokens a step: the Q8_0 copy, as decode steps of up to 16 sequences run.
+    "q8+bf16, decode path (4 tokens a step)": dict(quantization="q8+bf16", step=4),
     # CPUs with VNNI only: Q8_0 for steps of <= 16 rows, int8 x int8 blocks above (so here
     # the int8 copy: activations rounded to int8 blocks of 32, as llama.cpp does).
     "q8+int8 (int8 x int8 blocks)": dict(quantization="q8+int8"),

@@ -19,7 +19,7 @@ from kvserve.kernels.cpu import CpuKernels, cpu_kernels
 from kvserve.kernels.q5 import q5_blocks, q5_dequantize
 from kvserve.models import Gemma3Config, Gemma3ForCausalLM, loader, packed
 from kvserve.models.attention_ref import sequence_logits
-from kvserve.models.quant import serves_q5, vnni
+from kvserve.models.quant import serves_i8_head, serves_q5, vnni
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="q8 needs the C kernels")
 MODES = [("q8", torch.float32)] + (
@@ -28,11 +28,12 @@ MODES = [("q8", torch.float32)] + (
 IDS = [2, 17, 99, 5, 250, 31, 64, 8, 120, 77, 13, 200, 150, 42, 9, 11, 23, 180, 55, 3]
 
 
-def _tiny_state() -> tuple[Gemma3Config, dict[str, torch.Tensor]]:
-    """A tiny random Gemma 3 as float32 weights; K = 64 is padded to one 128-wide group."""
+def _tiny_state(vocab: int = 300) -> tuple[Gemma3Config, dict[str, torch.Tensor]]:
+    """A tiny random Gemma 3 as float32 weights; K = 64 is padded to one 128-wide group. A
+    vocabulary of 300 rows keeps the head off I8Linear (16 columns at a time), 304 not."""
     torch.manual_seed(0)
     config = Gemma3Config(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512)
     model = Gemma3ForCausalLM(config)
@@ -47,9 +48,10 @@ def _tiny_state() -> tuple[Gemma3Config, dict[str, torch.Tensor]]:
 
 
 @pytest.fixture
-def entry(tmp_path: Path) -> tuple[Path, object, dict[str, torch.Tensor]]:
-    """A converted-cache entry holding the tiny model's float weights."""
-    config, state = _tiny_state()
+def entry(tmp_path: Path, request) -> tuple[Path, object, dict[str, torch.Tensor]]:  # noqa: ANN001
+    """A converted-cache entry holding the tiny model's float weights (vocabulary: the
+    parameter, else 300)."""
+    config, state = _tiny_state(getattr(request, "param", 300))
     save_file(state, tmp_path / "model.safetensors")
     return tmp_path, config, state
 
@@ -81,6 +83,7 @@ def _refuse(*_: object, **__: object) -> None:
     raise AssertionError("built from the float weights: the packed file was not used")
 
 
+@pytest.mark.parametrize("entry", [300, 304], indirect=True)
 @pytest.mark.parametrize(("mode", "dtype"), MODES)
 def test_a_warm_start_serves_bit_identically_to_quantizing(entry, mode, dtype,
                                                            monkeypatch) -> None:
@@ -97,9 +100,13 @@ def test_a_warm_start_serves_bit_identically_to_quantizing(entry, mode, dtype,
         "Q5Linear" if serves_q5() else "Q8Linear", "Q8Linear"]
     with safe_open(packed.packed_file(path, mode, dtype), "pt") as f:
         names = set(f.keys())
-    # q8+bf16's bf16 head is the (tied) embedding table: saved once, mapped once.
-    assert f"{packed.HEAD}.bf16" not in names and f"{packed.HEAD}.q" in names
-    if mode == "q8+bf16":
+    assert f"{packed.HEAD}.bf16" not in names
+    assert f"{packed.HEAD}.q" in names
+    if serves_i8_head(mode, config.vocab_size):  # served as q8+int8 serves any linear
+        assert type(warm.quant_head).__name__ == "Q8I8Linear"
+        assert f"{packed.HEAD}.i8q" in names
+    if mode == "q8+bf16" and not serves_i8_head(mode, config.vocab_size):
+        # q8+bf16's bf16 head is the (tied) embedding table: saved once, mapped once.
         emb = warm.model.embed_tokens.weight
         assert warm.quant_head.bf16.data_ptr() == emb.data_ptr()
     for got in (_logits(cold), _logits(warm)):

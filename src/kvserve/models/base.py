@@ -221,7 +221,7 @@ class CausalLM(nn.Module):
             return 0
         tied = [self.model.embed_tokens.weight] if self.lm_head is None else []
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        held, head = quantize_linears(linears, mode, tied)
+        held, head = quantize_linears(linears, mode, tied, head=self.lm_head)
         self.quant_head = head[0] if head else None
         self.quantization = mode
         return held

@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 from kvserve.kernels.cpu import CpuKernels
 from kvserve.models.base import CausalLM, ModelConfig, _no_init
 from kvserve.models.layers import Linear
-from kvserve.models.quant import from_packed, serves_q5
+from kvserve.models.quant import from_packed, serves_i8_head, serves_q5, vnni
 
 FORMAT = 1  # bump when what the file holds changes
 MODES = ("q8", "q8+bf16", "q8+int8")
@@ -79,7 +79,8 @@ def packed_state(model: CausalLM) -> dict[str, torch.Tensor]:
 def _head_is_embedding(model: CausalLM, mode: str, dtype: torch.dtype) -> bool:
     """Whether q8+bf16's bf16 head is the embedding table itself (a tied head in a bf16
     model): saved once, 335 MB less for Gemma 3 270M, and mapped once when loaded."""
-    return model.lm_head is None and mode == "q8+bf16" and dtype == torch.bfloat16
+    return (model.lm_head is None and mode == "q8+bf16" and dtype == torch.bfloat16
+            and not serves_i8_head(mode, model.model.embed_tokens.weight.shape[0]))
 
 
 def save(model: CausalLM, path: Path, source: Path) -> bool:
@@ -141,7 +142,10 @@ def _linears(model: CausalLM) -> list[tuple[str, Linear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
 
 
-def _part_specs(mode: str, out_features: int, in_features: int, q5: bool) -> dict[str, Spec]:
+def _part_specs(mode: str, out_features: int, in_features: int, q5: bool,
+                head: bool = False) -> dict[str, Spec]:
+    if head and serves_i8_head(mode, out_features):
+        mode = "q8+int8"  # an LM head is served as q8+int8 serves every linear
     groups = -(-in_features // CpuKernels.Q8_GROUP)
     kp = groups * CpuKernels.Q8_GROUP
     if q5:  # a weight the file shipped as Q5_0, kept in its own blocks (quant.Q5Linear)
@@ -173,11 +177,11 @@ def _expected(model: CausalLM, mode: str, dtype: torch.dtype,
     out = {k: (tuple(v.shape), dtype if v.is_floating_point() else v.dtype)
            for k, v in model.state_dict().items() if k not in dropped}
     for name, m in linears:
-        out.update({f"{name}.{k}": s for k, s in
-                    _part_specs(mode, m.out_features, m.in_features, name in q5).items()})
+        out.update({f"{name}.{k}": s for k, s in _part_specs(
+            mode, m.out_features, m.in_features, name in q5, m is model.lm_head).items()})
     if model.lm_head is None:
         vocab, hidden = model.model.embed_tokens.weight.shape
-        head = _part_specs(mode, vocab, hidden, HEAD in q5)
+        head = _part_specs(mode, vocab, hidden, HEAD in q5, head=True)
         if _head_is_embedding(model, mode, dtype):
             del head["bf16"]
         out.update({f"{HEAD}.{k}": s for k, s in head.items()})
@@ -214,7 +218,7 @@ def _metadata(mode: str, dtype: torch.dtype, source: Path) -> dict[str, str]:
     st = source.stat()
     return {"kvserve_packed": str(FORMAT), "q8_layout": str(CpuKernels.Q8_LAYOUT),
             "mode": mode, "dtype": str(dtype), "source": f"{st.st_size}:{st.st_mtime_ns}",
-            "q5": str(int(serves_q5()))}
+            "q5": str(int(serves_q5())), "i8_head": str(int(vnni()))}
 
 
 def _problem(path: Path, expected: Callable[[set[str]], Mapping[str, Spec]],
