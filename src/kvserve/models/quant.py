@@ -26,6 +26,8 @@ re-quantized from the GGUF's dequantized values.
   Q8_0, each activation block rounded to int8 at each call; kernels/i8matmul.c). 1.3-1.6x
   the bf16 GEMM at 32 rows; 2.25 bytes a weight for both copies. The rounded activations
   cost quality (docs/benchmarks.md), so auto does not pick it.
+- The LM head, where the CPU has VNNI, in every q8 mode: as q8+int8 serves a linear (the
+  Q8_0 copy up to 16 rows, int8 blocks above; serves_i8_head has the measurements).
 - fp16: every weight rounded to float16 (11 significant bits, far finer than the 4-8 bits
   the file ships); activations and sums in float32. Top-1 agreement with the float32 model
   99.98%, same perplexity (ShareGPT text, 6144 tokens).
