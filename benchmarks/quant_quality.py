@@ -37,6 +37,9 @@ VARIANTS = {
     # CPUs with VNNI only: Q8_0 for steps of <= 16 rows, int8 x int8 blocks above (so here
     # the int8 copy: activations rounded to int8 blocks of 32, as llama.cpp does).
     "q8+int8 (int8 x int8 blocks)": dict(quantization="q8+int8"),
+    # q8+bf16 with one kind of projection taking q8+int8's copies: what each costs alone.
+    **{f"q8+bf16 + int8 blocks in {kind}": dict(quantization="q8+bf16", int8_in=kind)
+       for kind in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")},
     "fp16 (all linears + head)": dict(quantization="fp16"),
     "int8 (all linears + head)": dict(quantization="int8"),
 }
@@ -75,6 +78,14 @@ def main() -> None:
         m.quantize(kw["quantization"])
         if kw.get("head") == "q5":
             m.quant_head = Q5Linear(m.model.embed_tokens.weight)
+        if kw.get("int8_in"):
+            if not vnni():
+                continue
+            i8 = Gemma3ForCausalLM.from_state_dict(config, dict(state_dict))
+            i8.quantize("q8+int8")
+            for (path, layer), other in zip(m.named_modules(), i8.modules()):
+                if path.endswith(kw["int8_in"]):
+                    layer.quant = other.quant
         models[name] = m, kw.get("step")
     ref_name = next(iter(VARIANTS))
     results = {}
