@@ -51,8 +51,8 @@ static inline int64_t w_at(int64_t n, int64_t N, int K, int k) {
 }
 
 /* One row of 32-value blocks to int8 with a float scale each (d = max |x| / 127, q = x / d
- * rounded to nearest even: as quant.py's q8_blocks), and each block's correction
- * -128 * sum(q). */
+ * rounded to nearest even: as quant.py's q8_blocks), and (corr, if not NULL) each block's
+ * correction -128 * sum(q). Weights (kvs_i8_pack) and activations are rounded alike. */
 static void quantize_row(const float *x, int K, int8_t *q, float *d, int32_t *corr) {
     for (int b = 0; b < K / 32; b++) {
         const float *xb = x + 32 * b;
@@ -64,7 +64,7 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, int32_t *co
             q[32 * b + j] = amax > 0.f ? (int8_t)rintf(xb[j] / d[b]) : 0;
             sum += q[32 * b + j];
         }
-        corr[b] = -128 * sum;
+        if (corr) corr[b] = -128 * sum;
     }
 }
 
@@ -219,16 +219,13 @@ static void gemm(const uint8_t *w, const float *sw, const int8_t *xq, const floa
 void kvs_i8_pack(const float *wt, int64_t N, int K, uint8_t *w, float *sw, int threads) {
     const int nb = K / 32;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int b = 0; b < nb; b++) {
-            const float *src = wt + n * K + 32 * b;
-            float amax = 0.f;
-            for (int j = 0; j < 32; j++) amax = fabsf(src[j]) > amax ? fabsf(src[j]) : amax;
-            const float d = amax / 127.f;
-            for (int j = 0; j < 32; j++)
-                w[w_at(n, N, K, 32 * b + j)] = (uint8_t)((amax > 0.f ? (int)rintf(src[j] / d) : 0) + 128);
-            sw[(n / LANES) * nb * LANES + b * LANES + n % LANES] = d;
-        }
+    for (int64_t n = 0; n < N; n++) {
+        int8_t q[K];
+        float d[nb];
+        quantize_row(wt + n * K, K, q, d, NULL);
+        for (int k = 0; k < K; k++) w[w_at(n, N, K, k)] = (uint8_t)(q[k] + 128);
+        for (int b = 0; b < nb; b++) sw[(n / LANES) * nb * LANES + b * LANES + n % LANES] = d[b];
+    }
 }
 
 /* y [M, N] = x [M, K] (row stride ldx) @ W.T, W as kvs_i8_pack made it; x and y both

@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 from kvserve.kernels.cpu import CpuKernels
 from kvserve.models.base import CausalLM, ModelConfig, _no_init
 from kvserve.models.layers import Linear
-from kvserve.models.quant import from_packed, serves_i8_head, serves_q5, vnni
+from kvserve.models.quant import from_packed, layer_mode, serves_q5, vnni
 
 FORMAT = 1  # bump when what the file holds changes
 MODES = ("q8", "q8+bf16", "q8+int8")
@@ -79,8 +79,9 @@ def packed_state(model: CausalLM) -> dict[str, torch.Tensor]:
 def _head_is_embedding(model: CausalLM, mode: str, dtype: torch.dtype) -> bool:
     """Whether q8+bf16's bf16 head is the embedding table itself (a tied head in a bf16
     model): saved once, 335 MB less for Gemma 3 270M, and mapped once when loaded."""
-    return (model.lm_head is None and mode == "q8+bf16" and dtype == torch.bfloat16
-            and not serves_i8_head(mode, model.model.embed_tokens.weight.shape[0]))
+    vocab = model.model.embed_tokens.weight.shape[0]
+    return (model.lm_head is None and dtype == torch.bfloat16
+            and layer_mode(mode, vocab, head=True) == "q8+bf16")
 
 
 def save(model: CausalLM, path: Path, source: Path) -> bool:
@@ -144,8 +145,7 @@ def _linears(model: CausalLM) -> list[tuple[str, Linear]]:
 
 def _part_specs(mode: str, out_features: int, in_features: int, q5: bool,
                 head: bool = False) -> dict[str, Spec]:
-    if head and serves_i8_head(mode, out_features):
-        mode = "q8+int8"  # an LM head is served as q8+int8 serves every linear
+    mode = layer_mode(mode, out_features, head)
     groups = -(-in_features // CpuKernels.Q8_GROUP)
     kp = groups * CpuKernels.Q8_GROUP
     if q5:  # a weight the file shipped as Q5_0, kept in its own blocks (quant.Q5Linear)
@@ -156,7 +156,7 @@ def _part_specs(mode: str, out_features: int, in_features: int, q5: bool,
                  "d": ((out_features, kp // 32), torch.float32)}
     if mode == "q8+bf16":
         specs["bf16"] = ((out_features, in_features), torch.bfloat16)
-    if mode == "q8+int8" and out_features % CpuKernels.I8_LANES == 0:
+    if mode == "q8+int8":
         specs["i8q"] = ((out_features, in_features), torch.uint8)
         specs["i8d"] = ((out_features, in_features // 32), torch.float32)
     return specs

@@ -247,9 +247,6 @@ class I8Linear(BlockLinear):
         y = self.kernels.i8_matmul(rows.contiguous(), self.q, self.d)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def nbytes(self) -> int:
-        return self.q.numel() + self.d.numel() * 4
-
 
 class Int8Linear:
     """x @ weight.T with the weight as int8, one symmetric scale per output row.
@@ -359,8 +356,6 @@ class Q8Bf16Linear(SplitLinear):
         return self.q8.nbytes() + self.out_features * self.in_features * 2
 
 
-
-
 class Q8I8Linear(SplitLinear):
     """Q8_0 for steps of up to SMALL rows, int8 blocks on both sides (I8Linear) above, on
     CPUs with VNNI: 1.3-1.6x oneDNN's bf16 GEMM for Gemma 3 270M's shapes at 32 rows, and
@@ -404,8 +399,7 @@ def quantized(weight: torch.Tensor, mode: str) -> QuantLinear:
     CPUs: no rounding, 0.61x Q8_0's bytes at decode, and within 2-7% of Q8_0's speed at
     32-512 rows (benchmarks/cpu_linears.py --cold), so q8 serves it so at every step size
     (one copy) and q8+bf16 below its bf16 copy."""
-    if mode == "q8+int8" and weight.shape[0] % CpuKernels.I8_LANES:
-        mode = "q8"  # i8matmul.c takes output columns 16 at a time
+    mode = layer_mode(mode, weight.shape[0])
     if mode.startswith("q8"):
         q5 = Q5Linear.exact(weight)
         if q5 is not None:
@@ -437,9 +431,15 @@ def serves_i8_head(mode: str, out_features: int) -> bool:
     return mode.startswith("q8") and vnni() and out_features % CpuKernels.I8_LANES == 0
 
 
-def quantized_head(weight: torch.Tensor, mode: str) -> QuantLinear:
-    """The LM head's packed copy: q8+int8's where serves_i8_head, else as any linear's."""
-    return quantized(weight, "q8+int8" if serves_i8_head(mode, weight.shape[0]) else mode)
+def layer_mode(mode: str, out_features: int, head: bool = False) -> str:
+    """The mode one layer is served in: an LM head as q8+int8 where serves_i8_head, a
+    q8+int8 layer whose output columns i8matmul.c cannot take (16 at a time) as q8, any
+    other as the model's mode."""
+    if head and serves_i8_head(mode, out_features):
+        return "q8+int8"
+    if mode == "q8+int8" and out_features % CpuKernels.I8_LANES:
+        return "q8"
+    return mode
 
 
 def quantize_all(weights: list[torch.Tensor], mode: str,
@@ -451,7 +451,7 @@ def quantize_all(weights: list[torch.Tensor], mode: str,
     order = sorted(range(len(weights)), key=lambda i: -weights[i].numel())
 
     def pack(i: int) -> QuantLinear:
-        return (quantized_head if i in heads else quantized)(weights[i], mode)
+        return quantized(weights[i], layer_mode(mode, weights[i].shape[0], i in heads))
 
     with ThreadPoolExecutor(max(torch.get_num_threads(), 1)) as pool:
         packed = dict(zip(order, pool.map(pack, order)))
