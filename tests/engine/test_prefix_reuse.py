@@ -53,10 +53,10 @@ def questions(kv):
 
 def serve_in_turn(model, tokenizer, questions, paper_rules: bool):
     engine = LLMEngine(model, tokenizer, EngineConfig(kv_memory=BUDGET))
-    if paper_rules:  # every released page cached under its release step, no marks
+    if paper_rules:  # every released page cached under its release step, no marks, no loops
         for m in engine.kv.managers:
             m.reuse = None
-        engine.kv.reuse.lost_key = lambda r, p, q: None
+        engine.kv.reuse.protect = False
     outs, hits = serve_in_order(engine, questions, GREEDY)
     return outs, hits, engine.kv
 

@@ -4,6 +4,7 @@ Full and sliding pages here have the same size, so every small page is a
 whole large page and eviction follows one queue of keys across both specs.
 """
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from invariants import check_invariants
@@ -147,6 +148,31 @@ def test_only_prefixes_back_at_regular_gaps_count_as_a_loop():
     assert lookup_at(450, hit=16)  # a hit within 2x of the gap stays in the loop
     assert not lookup_at(1000)  # 550 arrivals after a gap of 150: random reuse, LRU again
     assert not lookup_at(1100, hit=16)  # a hit alone does not make a loop
+
+
+@pytest.mark.parametrize("lost", [True, False])
+def test_a_lost_prefix_branching_off_is_a_loop_member_on_its_first_return(lost):
+    reuse = ReusePoints(T)
+    doc = list(range(1, 65))  # 16 blocks shared, then a question of 2 blocks
+
+    def ask(arrival: int, question: int, hit: int = 0) -> bool:
+        tokens = doc + [1000 * question + i for i in range(8)]
+        hashes: list = []
+        extend_block_hashes(hashes, tokens, T, ())
+        r = RequestKV(arrival, tokens, (), hashes=hashes, num_computed=len(tokens),
+                      arrival=arrival, prompt_len=len(tokens))
+        reuse.reuse_key(r, len(hashes), hit, now=7)
+        reuse.remember(r)
+        return r.loop
+
+    assert not ask(100, 1)  # never seen
+    if not lost:
+        assert not ask(200, 2, hit=16)  # back and hit: nothing was lost
+        return
+    assert ask(200, 2)  # back and the document was lost: a loop member at once
+    assert ask(300, 3, hit=16)  # a loop member that hits after the same gap stays one
+    # The first return of a prefix that continues a finished sequence (a
+    # conversation's next turn) keeps LRU's chance: see the same-prompt test above.
 
 
 @st.composite
@@ -371,14 +397,32 @@ def test_a_prompt_being_computed_is_waited_for_until_its_request_stops():
     assert mgr.allocate_slots("a", 32)  # the first half of the article
     mgr.add_request("b", ARTICLE + [600, 601])
     mgr.lookup("b")
-    assert mgr.waits_for_prefix("b")  # "a" computes 16 of its 16 full blocks
+    assert mgr.waits_for_running("b")  # "a" computes 16 of its 16 full blocks
     mgr.abort("b")
     mgr.abort("a")  # stopped mid-prompt: nothing is being computed any more
     check_invariants(mgr)
     assert not mgr.computing
     mgr.add_request("b", ARTICLE + [600, 601])
     mgr.lookup("b")
-    assert not mgr.waits_for_prefix("b")
+    assert not mgr.waits_for_running("b")
+
+
+def test_a_loop_miss_waits_while_another_loop_miss_computes_its_prompt():
+    mgr = make(200)
+    _looked_up(mgr, "a", [100 + i for i in range(64)], loop=True, gap=3)
+    assert mgr.allocate_slots("a", 32)  # half its prompt: "a" computes
+    b = _looked_up(mgr, "b", [300 + i for i in range(64)], loop=True, gap=3)
+    assert mgr.waits_for_running("b")  # even last in the queue: "a" runs meanwhile
+    b.loop = False  # other traffic does not wait for loop misses
+    assert not mgr.waits_for_running("b")
+    b.loop = True
+    mgr.advance("a", 32)
+    assert mgr.allocate_slots("a", 32)
+    mgr.advance("a", 32)  # "a" has computed its prompt: it decodes now
+    assert not mgr.waits_for_running("b")
+    for rid in "ab":
+        mgr.abort(rid)
+    check_invariants(mgr)
 
 
 def _conversation(mgr: KVCacheManager, turns: list[tuple[int, int]], start: int = 0,

@@ -111,8 +111,8 @@ class Scheduler:
             n = min(len(req.token_ids) - hit, budget)
             # The memory core may ask a request to let the ones behind it go first;
             # the last one in the queue starts anyway, so the engine never idles
-            # (unless a running request computes its prefix: it hits once done).
-            if (self.kv.waits_for_prefix(req.request_id)
+            # (unless it waits for a running request: KVCacheManager.waits_for_running).
+            if (self.kv.waits_for_running(req.request_id)
                     or i + 1 < len(self.waiting) and not self.kv.can_start(req.request_id, n)):
                 self.kv.abort(req.request_id)
                 i += 1

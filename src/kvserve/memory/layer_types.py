@@ -134,10 +134,15 @@ class ReusePoints:
 
         A loop over more prefixes than fit defeats LRU: the prefix used
         longest ago is the next one needed, so every request misses. A prefix
-        is taken for a loop member when it comes back after a gap (in
-        arrivals) within 2x of its previous one and either was lost (cached once, now gone) or
-        was a loop member already. Chat sessions with random think times
-        rarely pass that test, and plain LRU serves them better.
+        is taken for a loop member when it was lost (cached once, now gone) or
+        was a loop member already, and it comes back either after a gap (in
+        arrivals) within 2x of its previous one, or for the first time,
+        branching off (not continuing a finished request's sequence: a
+        conversation's next turn keeps LRU). Chat sessions with random think
+        times rarely pass the gap test, and plain LRU serves them better.
+        Without the first-return case the loop rule started only on a prefix's
+        third use, after LRU had emptied the cache of the loop once more (32
+        Gemma 3 articles round-robin, 8192-token steps, 1/s: 53.5% -> 59.8%).
 
         Loop members' pages get LOOP - now: below every step, so they leave
         before pages of other traffic, and the latest first among themselves
@@ -156,21 +161,23 @@ class ReusePoints:
             found = self._last_use(r.hashes, q, q // 2)
         if found is None:
             return None
-        then, gap_before, loop_before = found
+        then, gap_before, loop_before, e = found
         gap = r.gap = max(1, r.arrival - then)
         regular = gap_before * 2 >= gap >= gap_before / 2
-        r.loop = regular and (lost or loop_before)
+        first = not gap_before and r.hashes[e - 1] not in self.ends
+        r.loop = (regular or first) and (lost or loop_before)
         if self.protect is not None:
             r.loop = self.protect and lost
         return LOOP - now if r.loop else None
 
-    def _last_use(self, hashes: list[int], hi: int, lo: int) -> tuple[int, int, bool] | None:
-        """What `seen` holds of the longest prefix of hi..lo+1 blocks, if any."""
+    def _last_use(self, hashes: list[int], hi: int, lo: int) -> tuple[int, int, bool, int] | None:
+        """What `seen` holds of the longest prefix of hi..lo+1 blocks, if any, and its
+        length."""
         seen = self.seen
         for e in range(hi, lo, -1):
             found = seen.get(hashes[e - 1])
             if found is not None:
-                return found
+                return (*found, e)
         return None
 
     def mark(self, h: Hashable) -> None:

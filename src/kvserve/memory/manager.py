@@ -164,7 +164,7 @@ class KVCacheManager:
         self.num_admitted = 0  # first allocations: how long a deferred loop miss waited
         self.queried_tokens = 0
         self.hit_tokens = 0
-        # Running requests still computing their prompt: waits_for_prefix.
+        # Running requests still computing their prompt: waits_for_running.
         self.computing: dict[RequestId, RequestKV] = {}
 
     @property
@@ -446,14 +446,24 @@ class KVCacheManager:
         else:
             self.computing.pop(r.req_id, None)
 
-    def waits_for_prefix(self, req_id: RequestId) -> bool:
-        """After lookup: whether most of the request's prompt is being computed by a
-        running request right now. Then it should wait a step or a few and hit
-        that prefix, not compute it a second time beside it (two questions on one
-        new document arriving together: the second costs a few tokens, not the
-        document). The engine does not idle while it waits: the other one runs.
+    def waits_for_running(self, req_id: RequestId) -> bool:
+        """After lookup: whether the request should wait for a running request that
+        computes its prompt, even last in the queue (the engine does not idle: the
+        other one runs). Two cases:
+
+        - most of its prompt is being computed right now: a step or a few later it
+          hits that prefix instead of computing it a second time beside it (two
+          questions on one new document arriving together cost one document);
+        - it is a loop miss and another loop miss computes its prompt: their
+          prefills, each evicting for its peak, would take the set that keeps
+          hitting with them; one after the other, the next one reuses the room
+          the last one left. At 32 Gemma 3 articles round-robin, 8192-token steps,
+          this took 1/s from 59.8% to 62.5% and 4/s from 43.1% to 51.8%, with
+          lower TTFT (p99 1.9 -> 1.0 s and 41 -> 22 s): misses compute less.
         """
         r = self._req(req_id)
+        if _loop_miss(r) and any(_loop_miss(o) for o in self.computing.values() if o is not r):
+            return True
         hashes = r.hashes
         q = r.num_hit // self.T
         shared = max((_common_blocks(hashes, o.hashes, q) for o in self.computing.values()
