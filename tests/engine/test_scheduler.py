@@ -68,3 +68,29 @@ def test_only_a_prefix_that_is_most_of_the_prompt_is_waited_for():
     sched.add(_shared("b", doc, 40))  # shares 16 of 56 tokens: computing it costs little
     batch, _ = sched.schedule()
     assert [s.request.request_id for s in batch] == ["a", "b"]
+
+
+def test_a_loop_miss_prefills_in_the_memory_cores_chunks():
+    kv = KVCacheManager([FULL], T * 8 * 64, tokens_per_page=T)
+    kv.LOOP_MISS_CHUNK = 12
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    looked_up = kv.lookup
+
+    def lookup(rid):  # "a" is a loop member that lost its prefix (reuse_key's verdict)
+        hit = looked_up(rid)
+        kv.reqs[rid].loop = rid == "a"
+        return hit
+
+    kv.lookup = lookup
+    sched.add(_request("a", 30))
+    sizes = []
+    for _ in range(3):
+        batch, _ = sched.schedule()
+        sched.commit(batch)
+        sizes.append([s.num_tokens for s in batch])
+    assert sizes == [[12], [12], [6]]  # within a 64-token budget
+    kv.abort("a")
+    sched.running.clear()
+    sched.add(_request("b", 30))
+    batch, _ = sched.schedule()
+    assert [s.num_tokens for s in batch] == [30]

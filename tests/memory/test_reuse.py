@@ -425,6 +425,20 @@ def test_a_loop_miss_waits_while_another_loop_miss_computes_its_prompt():
     check_invariants(mgr)
 
 
+def test_a_loop_miss_prefills_in_small_chunks_only_while_the_queue_is_short():
+    mgr = make(200)
+    mgr.LOOP_MISS_CHUNK = 8
+    _looked_up(mgr, "a", [100 + i for i in range(64)], loop=True, gap=3)
+    assert mgr.max_chunk("a", waiting=mgr.SHORT_QUEUE) == 8
+    assert mgr.max_chunk("a", waiting=mgr.SHORT_QUEUE + 1) is None  # a backlog: full steps
+    b = _looked_up(mgr, "b", [300 + i for i in range(64)])
+    assert mgr.max_chunk("b", waiting=0) is None  # not in a loop
+    b.loop, b.num_hit = True, 32  # a loop member that hit half its prompt: not a miss
+    assert mgr.max_chunk("b", waiting=0) is None
+    for rid in "ab":
+        mgr.abort(rid)
+
+
 def _conversation(mgr: KVCacheManager, turns: list[tuple[int, int]], start: int = 0,
                   between=None) -> list[int]:
     """Serve a conversation: each turn's prompt is the previous turn's whole sequence and a

@@ -82,7 +82,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(len(req.token_ids) - req.num_computed, budget)
+            n = self._chunk(req, req.num_computed, budget)
             while not self.kv.allocate_slots(req.request_id, n):
                 if self.lender is not None and self.lender.make_room(n):
                     continue  # lent KV out instead of preempting
@@ -101,6 +101,13 @@ class Scheduler:
                 i += 1
         return budget
 
+    def _chunk(self, req: Request, done: int, budget: int) -> int:
+        """Tokens req computes this step: the rest of its prompt (or a decode token),
+        within the budget and the memory core's limit for it."""
+        n = min(len(req.token_ids) - done, budget)
+        limit = self.kv.max_chunk(req.request_id, len(self.waiting))
+        return n if limit is None else min(n, limit)
+
     def _admit_waiting(self, batch: list[Scheduled], budget: int) -> list[Request]:
         failed = []
         i = 0  # requests before i were told to wait by the memory core: skip them
@@ -108,7 +115,7 @@ class Scheduler:
             req = self.waiting[i]
             self.kv.add_request(req.request_id, req.token_ids, req.images, req.seq)
             hit = self.kv.lookup(req.request_id)
-            n = min(len(req.token_ids) - hit, budget)
+            n = self._chunk(req, hit, budget)
             # The memory core may ask a request to let the ones behind it go first;
             # the last one in the queue starts anyway, so the engine never idles
             # (unless it waits for a running request: KVCacheManager.waits_for_running).

@@ -496,6 +496,28 @@ class KVCacheManager:
         waits.pop(req_id, None)
         return True
 
+    # A loop miss prefills at most this many tokens a step while the queue is short.
+    LOOP_MISS_CHUNK = 2048
+    SHORT_QUEUE = 4
+
+    def max_chunk(self, req_id: RequestId, waiting: int) -> int | None:
+        """The most prompt tokens the request may compute this step (None: the step's
+        budget), with `waiting` requests queued.
+
+        A loop miss's prefill evicts for its peak, and what it evicts is the set
+        that keeps hitting; in 2048-token chunks a 20K-token prompt peaks at a
+        fifth of the sliding-window pages. That costs steps, so only while few
+        requests wait: with a backlog, the budget is what clears it (and the
+        reordered backlog is where its hits come from). Gemma 3 12B, 32
+        articles round-robin, 1/s: 18.9% -> 39.1% of prompt tokens (mean TTFT
+        0.57 -> 0.40 s); at 4/s unchanged (55.6% -> 55.4%), where a cap at every
+        queue length cost 12 points.
+        """
+        r = self._req(req_id)
+        if waiting <= self.SHORT_QUEUE and _loop_miss(r):
+            return self.LOOP_MISS_CHUNK
+        return None
+
     def _miss_fits(self, r: RequestKV, chunk: int) -> bool:
         """Whether loop miss r may prefill beside the requests that run now."""
         if any(_loop_miss(o) for o in self.reqs.values() if o is not r):
