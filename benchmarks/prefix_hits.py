@@ -8,10 +8,11 @@ Each row replays one trace through the simulator (real memory core and
 scheduler) per policy, and computes the infinite-pool bound and Belady's
 offline bound for jenga's pool (kvserve.sim.bounds), plain and with each
 running request's peak room kept free (`+peak`, prefill chunks of the
-scheduler's token budget or, if smaller, the chunk it gives loop misses). `vs bound` is jenga's hit rate over the lower of
-the infinite and plain Belady bounds, `vs peak` over the peak bound. Both
-bounds admit requests in arrival order; the scheduler may reorder a backlog
-(KVCacheManager.can_start), so jenga can pass them under overload.
+scheduler's token budget or, if smaller, the chunk it gives loop misses).
+`vs bound` is jenga's hit rate over the lower of the infinite and plain
+Belady bounds, `vs peak` over the peak bound. Both bounds admit requests in
+arrival order; the scheduler may reorder a backlog (KVCacheManager.can_start),
+so jenga can pass them under overload.
 """
 
 from __future__ import annotations
