@@ -437,6 +437,11 @@ def test_a_loop_miss_prefills_in_small_chunks_only_while_the_queue_is_short():
     assert mgr.max_chunk("b", waiting=0) is None
     for rid in "ab":
         mgr.abort(rid)
+    full = make(200, specs=(FULL,))  # no window: smaller steps lower no peak
+    full.LOOP_MISS_CHUNK = 8
+    _looked_up(full, "a", [100 + i for i in range(64)], loop=True, gap=3)
+    assert full.max_chunk("a", waiting=0) is None
+    full.abort("a")
 
 
 def _conversation(mgr: KVCacheManager, turns: list[tuple[int, int]], start: int = 0,

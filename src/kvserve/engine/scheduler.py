@@ -115,15 +115,17 @@ class Scheduler:
             req = self.waiting[i]
             self.kv.add_request(req.request_id, req.token_ids, req.images, req.seq)
             hit = self.kv.lookup(req.request_id)
-            n = self._chunk(req, hit, budget)
+            step = min(len(req.token_ids) - hit, budget)
             # The memory core may ask a request to let the ones behind it go first;
             # the last one in the queue starts anyway, so the engine never idles
             # (unless it waits for a running request: KVCacheManager.waits_for_running).
+            # It judges by the step's whole budget, not by a chunk it limits below it.
             if (self.kv.waits_for_running(req.request_id)
-                    or i + 1 < len(self.waiting) and not self.kv.can_start(req.request_id, n)):
+                    or i + 1 < len(self.waiting) and not self.kv.can_start(req.request_id, step)):
                 self.kv.abort(req.request_id)
                 i += 1
                 continue
+            n = self._chunk(req, hit, budget)
             if not self.kv.allocate_slots(req.request_id, n):
                 self.kv.abort(req.request_id)
                 if not self.running and not batch:  # alone in an empty pool: never fits
