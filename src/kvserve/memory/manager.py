@@ -519,8 +519,9 @@ class KVCacheManager:
             return None
         chunk = self.LOOP_MISS_CHUNK
         rest = len(r.tokens) - r.num_computed
-        if all(m.peak_pages(rest, chunk, r.images) == m.peak_pages(rest, rest, r.images)
-               for m in self.managers):
+        if rest <= chunk or all(
+                m.peak_pages(rest, chunk, r.images) == m.peak_pages(rest, rest, r.images)
+                for m in self.managers):
             return None  # smaller steps would lower no spec's peak (no window in the way)
         return chunk
 
