@@ -122,8 +122,8 @@ def _loop(lost_key: bool, rounds: int = 5) -> list[int]:
 def test_a_loop_over_more_prefixes_than_fit_keeps_a_set_hitting():
     assert _loop(lost_key=False)[1:] == [0, 0, 0, 0]  # LRU: every request misses
     assert min(_loop(lost_key=True)[2:]) >= 2
-    # Left to itself the rule starts once each prefix was lost twice at regular gaps.
-    assert min(_loop(lost_key=None, rounds=6)[3:]) >= 2
+    # Left to itself the rule starts at each prefix's first return after it was lost.
+    assert min(_loop(lost_key=None, rounds=6)[1:]) >= 2
 
 
 def test_only_prefixes_back_at_regular_gaps_count_as_a_loop():
@@ -397,32 +397,68 @@ def test_a_prompt_being_computed_is_waited_for_until_its_request_stops():
     assert mgr.allocate_slots("a", 32)  # the first half of the article
     mgr.add_request("b", ARTICLE + [600, 601])
     mgr.lookup("b")
-    assert mgr.waits_for_running("b")  # "a" computes 16 of its 16 full blocks
+    assert mgr.waits_for_running("b", 64)  # "a" computes 16 of its 16 full blocks
     mgr.abort("b")
     mgr.abort("a")  # stopped mid-prompt: nothing is being computed any more
     check_invariants(mgr)
     assert not mgr.computing
     mgr.add_request("b", ARTICLE + [600, 601])
     mgr.lookup("b")
-    assert not mgr.waits_for_running("b")
+    assert not mgr.waits_for_running("b", 64)
 
 
-def test_a_loop_miss_waits_while_another_loop_miss_computes_its_prompt():
-    mgr = make(200)
+@pytest.mark.parametrize("stop", ["prefilled", "aborted"])
+def test_a_loop_miss_waits_while_another_loop_miss_computes_its_prompt(stop):
+    # "a" holds 8 + 8 pages and peaks 8 + 8 more; "b" peaks at 16 + 16: 48 > 44 free.
+    mgr = make(60)
     _looked_up(mgr, "a", [100 + i for i in range(64)], loop=True, gap=3)
     assert mgr.allocate_slots("a", 32)  # half its prompt: "a" computes
     b = _looked_up(mgr, "b", [300 + i for i in range(64)], loop=True, gap=3)
-    assert mgr.waits_for_running("b")  # even last in the queue: "a" runs meanwhile
+    assert mgr.waits_for_running("b", 64)  # even last in the queue: "a" runs meanwhile
+    assert not mgr.waits_for_running("b", 8)  # in 8-token steps both peaks fit
     b.loop = False  # other traffic does not wait for loop misses
-    assert not mgr.waits_for_running("b")
+    assert not mgr.waits_for_running("b", 64)
     b.loop = True
     mgr.advance("a", 32)
+    if stop == "prefilled":
+        assert mgr.allocate_slots("a", 32)
+        mgr.advance("a", 32)  # "a" has computed its prompt: it decodes now
+    else:
+        mgr.abort("a")  # cancelled mid-prompt: it computes nothing any more
+    assert not mgr.waits_for_running("b", 64)
+    for rid in list(mgr.reqs):
+        mgr.abort(rid)
+    check_invariants(mgr)
+
+
+def test_two_loop_misses_that_both_fit_prefill_side_by_side():
+    mgr = make(70)  # 54 free pages: both peaks (48) fit
+    _looked_up(mgr, "a", [100 + i for i in range(64)], loop=True, gap=3)
     assert mgr.allocate_slots("a", 32)
-    mgr.advance("a", 32)  # "a" has computed its prompt: it decodes now
-    assert not mgr.waits_for_running("b")
+    _looked_up(mgr, "b", [300 + i for i in range(64)], loop=True, gap=3)
+    assert not mgr.waits_for_running("b", 64)
     for rid in "ab":
         mgr.abort(rid)
     check_invariants(mgr)
+
+
+def test_a_request_taken_back_after_lookup_leaves_its_hit_pages_keys_alone():
+    mgr = make(200)
+    serve(mgr, "a", ARTICLE + [500, 501, 502])
+    sp = [mgr.alloc.specs[s] for s in range(2)]
+    before = [list(s.last) for s in sp]
+    for _ in range(3):  # a loop miss retried while it waits: lookup, then taken back
+        mgr.begin_step()
+        b = _looked_up(mgr, "b", ARTICLE + [600, 601, 602], loop=True, gap=3)
+        assert b.num_hit == 64
+        b.key = LOOP - mgr.now  # what a loop member's release would stamp
+        mgr.abort("b")
+        check_invariants(mgr)
+    assert [list(s.last) for s in sp] == before
+    assert "b" not in mgr.reuse.ends  # nothing computed: nothing remembered
+    b = _looked_up(mgr, "b", ARTICLE + [600, 601, 602])
+    assert b.num_hit == 64
+    mgr.abort("b")
 
 
 def test_a_loop_miss_prefills_in_small_chunks_only_while_the_queue_is_short():

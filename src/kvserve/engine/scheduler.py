@@ -82,7 +82,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, req.num_computed, budget)
+            n = self._chunk(req, req.num_computed, budget, len(self.waiting))
             while not self.kv.allocate_slots(req.request_id, n):
                 if self.lender is not None and self.lender.make_room(n):
                     continue  # lent KV out instead of preempting
@@ -101,11 +101,11 @@ class Scheduler:
                 i += 1
         return budget
 
-    def _chunk(self, req: Request, done: int, budget: int) -> int:
+    def _chunk(self, req: Request, done: int, budget: int, waiting: int) -> int:
         """Tokens req computes this step: the rest of its prompt (or a decode token),
-        within the budget and the memory core's limit for it."""
+        within the budget and the memory core's limit for it, `waiting` others queued."""
         n = min(len(req.token_ids) - done, budget)
-        limit = self.kv.max_chunk(req.request_id, len(self.waiting))
+        limit = self.kv.max_chunk(req.request_id, waiting)
         return n if limit is None else min(n, limit)
 
     def _admit_waiting(self, batch: list[Scheduled], budget: int) -> list[Request]:
@@ -120,12 +120,12 @@ class Scheduler:
             # the last one in the queue starts anyway, so the engine never idles
             # (unless it waits for a running request: KVCacheManager.waits_for_running).
             # It judges by the step's whole budget, not by a chunk it limits below it.
-            if (self.kv.waits_for_running(req.request_id)
+            if (self.kv.waits_for_running(req.request_id, step)
                     or i + 1 < len(self.waiting) and not self.kv.can_start(req.request_id, step)):
                 self.kv.abort(req.request_id)
                 i += 1
                 continue
-            n = self._chunk(req, hit, budget)
+            n = self._chunk(req, hit, budget, len(self.waiting) - 1)  # the others
             if not self.kv.allocate_slots(req.request_id, n):
                 self.kv.abort(req.request_id)
                 if not self.running and not batch:  # alone in an empty pool: never fits

@@ -277,6 +277,14 @@ class SpecManager:
             self.alloc.free(self.s, [pid], now)
         r.pending[self.s].clear()
 
+    def take_back(self, r: RequestKV) -> None:
+        """Undo claim_hit: the hit pages keep the eviction keys they had."""
+        table, pending = r.tables[self.s], r.pending[self.s]
+        pids = [p for p in table if p != NO_PAGE] + [p for _, p in pending]
+        self.alloc.unclaim(self.s, pids)
+        table.clear()
+        pending.clear()
+
     def drop_held(self, r: RequestKV, now: int) -> None:
         """Let go of the pages r holds only for its reuse points (they stay cached)."""
         held = r.held.pop(self.s, None)

@@ -420,6 +420,14 @@ class KVCacheManager:
         if r is None:
             raise KeyError(f"unknown request {req_id!r}")
         self._compute_prompt(r, False)
+        if r.num_alloc == r.num_hit:
+            # Taken back after lookup (the scheduler admits it later): a release would
+            # give its hit pages this request's key, for a loop miss the oldest, and
+            # its hit would decay with each retry while another loop miss prefills.
+            for m in self.managers:
+                m.take_back(r)
+            self.alloc.forget_request(req_id)
+            return
         # One release: equal keys evict the longest prefix first across specs, so a
         # prefix shrinks from its tail in every layer type at once (aligned rule).
         self.alloc.begin_release()
@@ -446,7 +454,7 @@ class KVCacheManager:
         else:
             self.computing.pop(r.req_id, None)
 
-    def waits_for_running(self, req_id: RequestId) -> bool:
+    def waits_for_running(self, req_id: RequestId, num_new_tokens: int) -> bool:
         """After lookup: whether the request should wait for a running request that
         computes its prompt, even last in the queue (the engine does not idle: the
         other one runs). Two cases:
@@ -454,16 +462,21 @@ class KVCacheManager:
         - most of its prompt is being computed right now: a step or a few later it
           hits that prefix instead of computing it a second time beside it (two
           questions on one new document arriving together cost one document);
-        - it is a loop miss and another loop miss computes its prompt: their
-          prefills, each evicting for its peak, would take the set that keeps
-          hitting with them; one after the other, the next one reuses the room
-          the last one left. At 32 Gemma 3 articles round-robin, 8192-token steps,
-          this took 1/s from 59.8% to 62.5% and 4/s from 43.1% to 51.8%, with
-          lower TTFT (p99 1.9 -> 1.0 s and 41 -> 22 s): misses compute less.
+        - it is a loop miss, other loop misses compute their prompts, and the
+          peaks of all of them (`num_new_tokens` a step) do not fit in the memory
+          the loop rule gives up anyway: their prefills, each evicting for its
+          peak, would take the set that keeps hitting; one after the other, the
+          next one reuses the room the last one left. At 32 Gemma 3 articles
+          round-robin, 8192-token steps, this took 1/s from 59.8% to 62.5% and
+          4/s from 43.1% to 51.8%, with lower TTFT (p99 1.9 -> 1.0 s and 41 ->
+          22 s): misses compute less. Where they fit (short prompts), waiting
+          would only leave the step's budget unused.
         """
         r = self._req(req_id)
-        if _loop_miss(r) and any(_loop_miss(o) for o in self.computing.values() if o is not r):
-            return True
+        if _loop_miss(r):
+            others = [o for o in self.computing.values() if o is not r and _loop_miss(o)]
+            if others and not self._fits([r, *others], num_new_tokens):
+                return True
         hashes = r.hashes
         q = r.num_hit // self.T
         shared = max((_common_blocks(hashes, o.hashes, q) for o in self.computing.values()
@@ -518,21 +531,29 @@ class KVCacheManager:
         if waiting > self.SHORT_QUEUE or not _loop_miss(r):
             return None
         chunk = self.LOOP_MISS_CHUNK
-        rest = len(r.tokens) - r.num_computed
+        rest, n = len(r.tokens) - r.num_computed, len(r.tokens)
+        # The peak of a step of the rest: a window held from before counts (a step of
+        # all n tokens and one that ends there hold the same window).
         if rest <= chunk or all(
-                m.peak_pages(rest, chunk, r.images) == m.peak_pages(rest, rest, r.images)
+                m.peak_pages(n, chunk, r.images) == m.peak_pages(n, rest, r.images)
                 for m in self.managers):
             return None  # smaller steps would lower no spec's peak (no window in the way)
         return chunk
 
     def _miss_fits(self, r: RequestKV, chunk: int) -> bool:
         """Whether loop miss r may prefill beside the requests that run now."""
-        if any(_loop_miss(o) for o in self.reqs.values() if o is not r):
-            return False
+        return (not any(_loop_miss(o) for o in self.reqs.values() if o is not r)
+                and self._fits([r], chunk))
+
+    def _fits(self, reqs: list[RequestKV], chunk: int) -> bool:
+        """Whether the rest of these requests' prompts (past the slots they hold), in steps
+        of `chunk` tokens, peak within free pages and those the loop rule gives up
+        (dead and loop pages)."""
         need = [0] * len(self.alloc.free_large)
-        for m in self.managers:
-            pages = m.peak_pages(len(r.tokens) - r.num_hit, chunk, r.images)
-            need[self.alloc.part[m.s]] += -(-pages // self.layout.pages_per_large[m.s])
+        for r in reqs:
+            for m in self.managers:
+                pages = m.peak_pages(len(r.tokens) - r.num_alloc, chunk, r.images)
+                need[self.alloc.part[m.s]] += -(-pages // self.layout.pages_per_large[m.s])
         supply = self.alloc.supply_below(0)  # keys below every step: dead and loop pages
         return all(n <= have for n, have in zip(need, supply))
 
