@@ -106,10 +106,11 @@ class ReusePoints:
         # stay the same when a queue builds up or requests are admitted out of order.
         self.seen: dict[Hashable, tuple[int, int, bool]] = {}
         self.protect: bool | None = None  # fixes the loop rule for lost prefixes (tests)
-        # Sequence ends of finished requests -> their prompt's end (blocks): a hit there
-        # extends that sequence (the next turn of a conversation). It says nothing of
-        # another request stopping there (not a mark), and the windows its prompt's end
-        # region kept serve no one any more (TextStream.retire).
+        # Where requests stopped (finished, aborted or preempted after computing some
+        # of their tokens) -> their prompt's end (blocks): a hit there extends that
+        # sequence (the next turn of a conversation, or the preempted request itself).
+        # It says nothing of another request stopping there (not a mark), and the
+        # windows its prompt's end region kept serve no one any more (TextStream.retire).
         self.ends: dict[Hashable, int] = {}
 
     def remember(self, r: RequestKV) -> None:
