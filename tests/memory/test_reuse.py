@@ -456,9 +456,14 @@ def test_a_request_taken_back_after_lookup_leaves_its_hit_pages_keys_alone():
         check_invariants(mgr)
     assert [list(s.last) for s in sp] == before
     assert "b" not in mgr.reuse.ends  # nothing computed: nothing remembered
+    mgr.begin_step()
     b = _looked_up(mgr, "b", ARTICLE + [600, 601, 602])
     assert b.num_hit == 64
-    mgr.abort("b")
+    hit = [list(t) for t in b.tables]
+    mgr.abort("b")  # not a loop member: its hit pages are as recent as a release makes them
+    for s, pids in zip(sp, hit):
+        assert {s.last[p] for p in pids if p >= 0} == {mgr.now}
+    check_invariants(mgr)
 
 
 def test_a_loop_miss_prefills_in_small_chunks_only_while_the_queue_is_short():

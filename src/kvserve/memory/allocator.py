@@ -520,11 +520,12 @@ class TwoLevelAllocator:
                 used[lp] += 1
             ref[pid] += 1
 
-    def unclaim(self, s: int, pids: Sequence[int]) -> None:
-        """Undo claim(s, pids): the pages keep the eviction keys they had."""
+    def unclaim(self, s: int, pids: Sequence[int], key: int = DEAD) -> None:
+        """Undo claim(s, pids): the pages keep the eviction keys they had, or `key` where
+        that is later."""
         last = self.specs[s].last
         for pid in pids:
-            self.free(s, [pid], last[pid])
+            self.free(s, [pid], max(last[pid], key))
 
     def free(self, s: int, pids: Sequence[int], now: int) -> None:
         """Drop one reference per page; last users leave pages evictable or empty.

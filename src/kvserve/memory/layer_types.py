@@ -278,11 +278,12 @@ class SpecManager:
             self.alloc.free(self.s, [pid], now)
         r.pending[self.s].clear()
 
-    def take_back(self, r: RequestKV) -> None:
-        """Undo claim_hit: the hit pages keep the eviction keys they had."""
+    def take_back(self, r: RequestKV, key: int) -> None:
+        """Undo claim_hit: the hit pages keep the eviction keys they had, or `key` where
+        that is later."""
         table, pending = r.tables[self.s], r.pending[self.s]
         pids = [p for p in table if p != NO_PAGE] + [p for _, p in pending]
-        self.alloc.unclaim(self.s, pids)
+        self.alloc.unclaim(self.s, pids, key)
         table.clear()
         pending.clear()
 

@@ -421,11 +421,12 @@ class KVCacheManager:
             raise KeyError(f"unknown request {req_id!r}")
         self._compute_prompt(r, False)
         if r.num_alloc == r.num_hit:
-            # Taken back after lookup (the scheduler admits it later): a release would
-            # give its hit pages this request's key, for a loop miss the oldest, and
-            # its hit would decay with each retry while another loop miss prefills.
+            # Taken back after lookup (the scheduler retries it soon): its hit pages
+            # get its key only where that is later. A loop member's key is the oldest,
+            # and a loop miss retried while another one prefills lost its hit to it,
+            # a little more at each retry.
             for m in self.managers:
-                m.take_back(r)
+                m.take_back(r, self._key(r))
             self.alloc.forget_request(req_id)
             return
         # One release: equal keys evict the longest prefix first across specs, so a
