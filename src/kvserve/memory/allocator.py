@@ -137,7 +137,7 @@ class TwoLevelAllocator:
 
     __slots__ = ("layout", "num_large", "specs", "owner", "assoc", "used", "emask", "ltime",
                  "lplen", "lstamp", "part", "free_large", "lru_large", "_pushes", "group",
-                 "grouped", "on_evict")
+                 "grouped", "on_evict", "lgroup", "restoring")
 
     def __init__(self, layout: Layout, num_large: int, partitioned: bool = False) -> None:
         if num_large <= 0:
@@ -171,6 +171,8 @@ class TwoLevelAllocator:
         self._pushes = itertools.count()
         self.group = 0
         self.grouped = False
+        self.lgroup = [0] * num_large  # the release of each large page's queue entry
+        self.restoring = False  # unclaim: pages go back to their place in the queue
         # Called as on_evict(s, pids) just before cached pages lose their KV (their
         # hash, last and plen still readable): a lower tier may keep a copy.
         self.on_evict: Callable[[int, list[int]], None] | None = None
@@ -521,11 +523,15 @@ class TwoLevelAllocator:
             ref[pid] += 1
 
     def unclaim(self, s: int, pids: Sequence[int], key: int = DEAD) -> None:
-        """Undo claim(s, pids): the pages keep the eviction keys they had, or `key` where
-        that is later."""
+        """Undo claim(s, pids): the pages keep the eviction keys they had, and their
+        place among equal keys (their release), or get `key` where that is later."""
         last = self.specs[s].last
-        for pid in pids:
-            self.free(s, [pid], max(last[pid], key))
+        try:
+            for pid in pids:
+                self.restoring = last[pid] >= key
+                self.free(s, [pid], max(last[pid], key))
+        finally:
+            self.restoring = False
 
     def free(self, s: int, pids: Sequence[int], now: int) -> None:
         """Drop one reference per page; last users leave pages evictable or empty.
@@ -662,8 +668,9 @@ class TwoLevelAllocator:
         sp.n_unused_large += 1
         sp.n_idle_empty += self.emask[lp].bit_count()
         self.lstamp[lp] += 1
-        entry = (self.ltime[lp], self.group, -self.lplen[lp], next(self._pushes), lp,
-                 self.lstamp[lp])
+        g = self.lgroup[lp] if self.restoring else self.group
+        self.lgroup[lp] = g
+        entry = (self.ltime[lp], g, -self.lplen[lp], next(self._pushes), lp, self.lstamp[lp])
         self.lru_large[self.part[s]].push(entry)
 
     def touch(self, s: int, pids: Sequence[int], now: int) -> None:
@@ -694,6 +701,7 @@ class TwoLevelAllocator:
                 continue
             if self.used[lp] == 0:  # re-queue the unused large page under its new key
                 self.lstamp[lp] += 1
+                self.lgroup[lp] = self.group
                 entry = (now, self.group, -self.lplen[lp], next(self._pushes), lp,
                          self.lstamp[lp])
                 self.lru_large[self.part[s]].push(entry)
@@ -722,6 +730,7 @@ class TwoLevelAllocator:
                 continue
             self.ltime[lp], self.lplen[lp] = t, n
             self.lstamp[lp] += 1
+            self.lgroup[lp] = self.group
             entry = (t, self.group, -n, next(self._pushes), lp, self.lstamp[lp])
             self.lru_large[self.part[s]].push(entry)
 

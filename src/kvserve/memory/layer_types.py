@@ -283,7 +283,7 @@ class SpecManager:
         that is later."""
         table, pending = r.tables[self.s], r.pending[self.s]
         pids = [p for p in table if p != NO_PAGE] + [p for _, p in pending]
-        self.alloc.unclaim(self.s, pids, key)
+        self.alloc.unclaim(self.s, pids[::-1], key)  # tail first, as free_all
         table.clear()
         pending.clear()
 

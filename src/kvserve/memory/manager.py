@@ -420,23 +420,24 @@ class KVCacheManager:
         if r is None:
             raise KeyError(f"unknown request {req_id!r}")
         self._compute_prompt(r, False)
-        if r.num_alloc == r.num_hit:
-            # Taken back after lookup (the scheduler retries it soon): its hit pages
-            # get its key only where that is later. A loop member's key is the oldest,
-            # and a loop miss retried while another one prefills lost its hit to it,
-            # a little more at each retry.
-            for m in self.managers:
-                m.take_back(r, self._key(r))
-            self.alloc.forget_request(req_id)
-            return
         # One release: equal keys evict the longest prefix first across specs, so a
         # prefix shrinks from its tail in every layer type at once (aligned rule).
         self.alloc.begin_release()
         try:
             for m in self.managers:
-                m.free_all(r, self._key(r))
+                if r.num_alloc == r.num_hit:
+                    # Taken back after lookup (the scheduler retries it soon): its hit
+                    # pages get its key only where that is later. A loop member's key
+                    # is the oldest: a loop miss retried while another one prefilled
+                    # lost its hit to that one, a little more at each retry.
+                    m.take_back(r, self._key(r))
+                else:
+                    m.free_all(r, self._key(r))
         finally:
             self.alloc.end_release()
+        if r.num_alloc == r.num_hit:
+            self.alloc.forget_request(req_id)
+            return
         if self.write_behind:
             self._write_ahead(r)
         # An admission that was taken back computed nothing: no use to remember.
