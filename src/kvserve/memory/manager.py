@@ -477,7 +477,7 @@ class KVCacheManager:
         r = self._req(req_id)
         if _loop_miss(r):
             others = [o for o in self.computing.values() if o is not r and _loop_miss(o)]
-            if others and not self._fits([r, *others], num_new_tokens):
+            if others and not self._fits([r, *others], num_new_tokens, DEAD + 1):
                 return True
         hashes = r.hashes
         q = r.num_hit // self.T
@@ -545,18 +545,18 @@ class KVCacheManager:
     def _miss_fits(self, r: RequestKV, chunk: int) -> bool:
         """Whether loop miss r may prefill beside the requests that run now."""
         return (not any(_loop_miss(o) for o in self.reqs.values() if o is not r)
-                and self._fits([r], chunk))
+                and self._fits([r], chunk, 0))
 
-    def _fits(self, reqs: list[RequestKV], chunk: int) -> bool:
+    def _fits(self, reqs: list[RequestKV], chunk: int, below: int) -> bool:
         """Whether the rest of these requests' prompts (past the slots they hold), in steps
-        of `chunk` tokens, peak within free pages and those the loop rule gives up
-        (dead and loop pages)."""
+        of `chunk` tokens, peak within free pages and cached ones whose key is below
+        `below` (0: dead and loop pages, which the loop rule gives up; DEAD + 1: dead)."""
         need = [0] * len(self.alloc.free_large)
         for r in reqs:
             for m in self.managers:
                 pages = m.peak_pages(len(r.tokens) - r.num_alloc, chunk, r.images)
                 need[self.alloc.part[m.s]] += -(-pages // self.layout.pages_per_large[m.s])
-        supply = self.alloc.supply_below(0)  # keys below every step: dead and loop pages
+        supply = self.alloc.supply_below(below)
         return all(n <= have for n, have in zip(need, supply))
 
     def _allocate_dropping_held(
