@@ -465,10 +465,10 @@ class KVCacheManager:
           hits that prefix instead of computing it a second time beside it (two
           questions on one new document arriving together cost one document);
         - it is a loop miss, other loop misses compute their prompts, and the
-          peaks of all of them (`num_new_tokens` a step) do not fit in the memory
-          the loop rule gives up anyway: their prefills, each evicting for its
-          peak, would take the set that keeps hitting; one after the other, the
-          next one reuses the room the last one left. At 32 Gemma 3 articles
+          rest of all of them (`num_new_tokens` a step) would peak above the free
+          and dead pages: their prefills, each evicting for its peak, would take
+          the set that keeps hitting (loop pages too: they are that set); one
+          after the other, the next one reuses the room the last one left. At 32 Gemma 3 articles
           round-robin, 8192-token steps, this took 1/s from 59.8% to 62.5% and
           4/s from 43.1% to 51.8%, with lower TTFT (p99 1.9 -> 1.0 s and 41 ->
           22 s): misses compute less. Where they fit (short prompts), waiting
