@@ -97,7 +97,8 @@ def test_q8_bf16_reads_q8_for_a_few_rows_and_bf16_for_batches() -> None:
     torch.manual_seed(0)
     w = torch.randn(300, 640) * 0.05
     hybrid, q8 = quantized(w, "q8+bf16"), quantized(w, "q8")
-    for rows in (1, 16, 17, 64):
+    assert hybrid.SMALL == (4 if "amx_bf16" in cpu_flags() else 16)  # AMX: bf16 from 5 rows
+    for rows in (1, 4, 5, 16, 17, 64):
         x = torch.randn(rows, 640, dtype=torch.bfloat16)
         got = hybrid(x)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)

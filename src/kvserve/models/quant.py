@@ -19,8 +19,9 @@ re-quantized from the GGUF's dequantized values.
   ships as Q5_0 (Gemma 3 270M Q4_K_M: q/k/v, gate, up) keeps its own Q5_0 blocks instead
   where the CPU has AVX-512BW (Q5Linear, 0.6875 bytes a weight, no rounding at all).
 - q8+bf16 (the default where bf16 runs natively, for a bf16 model): the q8 copy for steps
-  of up to 16 rows, and a oneDNN-packed bf16 copy (every weight rounded to bf16, activations
-  too) for larger ones, where oneDNN's native bf16 dot products beat our int16 kernel.
+  of up to 16 rows (4 with AMX), and a oneDNN-packed bf16 copy (every weight rounded to
+  bf16, activations too) for larger ones, where oneDNN's native bf16 dot products beat our
+  int16 kernel.
 - q8+int8 (on request, where the CPU has VNNI): the q8 copy for steps of up to 16 rows,
   and above them both sides in int8 blocks of 32 (llama.cpp's Q8_0 x Q8_0: the weights as
   Q8_0, each activation block rounded to int8 at each call; kernels/i8matmul.c). 1.3-1.6x
@@ -307,6 +308,11 @@ class Q8Bf16Linear(SplitLinear):
     and Q8_0 is 1.125 bytes a weight against bf16's 2); from 16-32 rows oneDNN's bf16
     dot products win (1.3-2x at 32), as our int16 kernel spends as many instructions
     scaling each block as multiplying it. Two copies: 3.125 bytes a weight."""
+
+    # With AMX, oneDNN's bf16 tiles pass the kernel from 5-8 rows (a 2-core Xeon, Gemma 3
+    # 270M's shapes, cpu_linears.py: at 8 rows qkv 0.068 vs 0.118 ms, down 0.099 vs 0.163,
+    # head 13.2 vs 13.2; at 4 the kernel still wins or ties: head 8.3 vs 13.0 ms).
+    SMALL = 4 if "amx_bf16" in cpu_flags() else 16
 
     def __init__(self, weight: torch.Tensor, small: Q5Linear | None = None) -> None:
         self.q8 = small or Q8Linear(weight)  # a Q5_0 weight's own blocks
