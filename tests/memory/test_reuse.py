@@ -175,6 +175,28 @@ def test_a_lost_prefix_branching_off_is_a_loop_member_on_its_first_return(lost):
     # conversation's next turn) keeps LRU's chance: see the same-prompt test above.
 
 
+@pytest.mark.parametrize("reply", ["as generated", "re-tokenized"])
+def test_a_lost_conversation_turn_is_not_a_loop_member_whatever_its_reply(reply):
+    reuse = ReusePoints(T)
+    prompt = list(range(1, 91))  # 22 blocks and 2 tokens
+    answer = [700 + i for i in range(12)]
+
+    def turn(arrival: int, tokens: list[int], out: list[int]) -> bool:
+        hashes: list = []
+        extend_block_hashes(hashes, tokens + out, T, ())
+        r = RequestKV(arrival, tokens + out, (), hashes=hashes,
+                      num_computed=len(tokens) + len(out), arrival=arrival,
+                      prompt_len=len(tokens))
+        reuse.reuse_key(r, (len(tokens) - 1) // T, 0, now=7)  # nothing cached: lost
+        reuse.remember(r)
+        return r.loop
+
+    assert not turn(100, prompt, answer)
+    # The client sends the reply back as text: its ids need not be the generated ones.
+    sent = answer if reply == "as generated" else [800 + i for i in range(12)]
+    assert not turn(200, prompt + sent + [900, 901, 902], [])
+
+
 @st.composite
 def workload(draw):
     ops = []

@@ -112,12 +112,24 @@ class ReusePoints:
         # It says nothing of another request stopping there (not a mark), and the
         # windows its prompt's end region kept serve no one any more (TextStream.retire).
         self.ends: dict[Hashable, int] = {}
+        # Whole prompts of requests that generated, by their last full block -> the
+        # prompt's tokens after it: a request that extends one is a conversation's next
+        # turn too, whatever the client made of the reply (re-tokenized text need not
+        # repeat the generated ids). The tail tells a whole prompt from a shared
+        # document that merely ends in the same block.
+        self.turns: dict[Hashable, tuple[int, ...]] = {}
 
     def remember(self, r: RequestKV) -> None:
         hashes, seen, t = r.hashes, self.seen, r.arrival
         n = min(len(hashes), r.num_computed // self.T)  # blocks whose KV was written
         short = [1 << i for i in range(self.SAMPLE.bit_length() - 1) if 1 << i < n]
-        for e in [*short, *range(self.SAMPLE, n, self.SAMPLE), n]:
+        turn = r.prompt_len // self.T if r.num_computed > r.prompt_len else 0
+        if 0 < turn < n:
+            self.turns.pop(hashes[turn - 1], None)
+            self.turns[hashes[turn - 1]] = tuple(r.tokens[turn * self.T:r.prompt_len])
+            if len(self.turns) > self.limit:
+                del self.turns[next(iter(self.turns))]
+        for e in [*short, *range(self.SAMPLE, n, self.SAMPLE), turn, n]:
             if e:
                 seen.pop(hashes[e - 1], None)
                 seen[hashes[e - 1]] = (t, r.gap, r.loop)
@@ -165,11 +177,17 @@ class ReusePoints:
         then, gap_before, loop_before, e = found
         gap = r.gap = max(1, r.arrival - then)
         regular = gap_before * 2 >= gap >= gap_before / 2
-        first = not gap_before and r.hashes[e - 1] not in self.ends
+        first = not gap_before and r.hashes[e - 1] not in self.ends and not self._turn(r, e)
         r.loop = (regular or first) and (lost or loop_before)
         if self.protect is not None:
             r.loop = self.protect and lost
         return LOOP - now if r.loop else None
+
+    def _turn(self, r: RequestKV, e: int) -> bool:
+        """Whether r's first e blocks and the tokens after them are a whole prompt that
+        was answered (r continues that conversation)."""
+        tail = self.turns.get(r.hashes[e - 1])
+        return tail is not None and tuple(r.tokens[e * self.T:e * self.T + len(tail)]) == tail
 
     def _last_use(self, hashes: list[int], hi: int, lo: int) -> tuple[int, int, bool, int] | None:
         """What `seen` holds of the longest prefix of hi..lo+1 blocks, if any, and its
