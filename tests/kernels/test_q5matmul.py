@@ -63,10 +63,12 @@ def test_q5_quantize_packs_what_q5_blocks_rounds(kernels, k: int) -> None:
         kernels.q5_quantize(torch.zeros(4, 48))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gguf_q5(gguf_path: Path) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """(name, raw blocks [rows, blocks, 22], dequantized float32 [rows, K]) of each Q5_0
-    tensor in the file (opening it takes seconds: once for the module)."""
+    tensor in the file. Reading them takes 15-20 s: once for the session, since pytest
+    runs this module once per build of the session-scoped `kernels` and would set a
+    module-scoped fixture up again each time."""
     gguf = pytest.importorskip("gguf")
     tensors = []
     for t in gguf.GGUFReader(gguf_path).tensors:
