@@ -420,22 +420,23 @@ class KVCacheManager:
         if r is None:
             raise KeyError(f"unknown request {req_id!r}")
         self._compute_prompt(r, False)
+        # Taken back after lookup, nothing allocated (the scheduler retries it soon): its
+        # hit pages get its key only where that is later. A loop member's key is the
+        # oldest: a loop miss retried while another one prefilled lost its hit to that
+        # one, a little more at each retry.
+        taken_back = r.num_alloc == r.num_hit
         # One release: equal keys evict the longest prefix first across specs, so a
         # prefix shrinks from its tail in every layer type at once (aligned rule).
         self.alloc.begin_release()
         try:
             for m in self.managers:
-                if r.num_alloc == r.num_hit:
-                    # Taken back after lookup (the scheduler retries it soon): its hit
-                    # pages get its key only where that is later. A loop member's key
-                    # is the oldest: a loop miss retried while another one prefilled
-                    # lost its hit to that one, a little more at each retry.
+                if taken_back:
                     m.take_back(r, self._key(r))
                 else:
                     m.free_all(r, self._key(r))
         finally:
             self.alloc.end_release()
-        if r.num_alloc == r.num_hit:
+        if taken_back:
             self.alloc.forget_request(req_id)
             return
         if self.write_behind:
@@ -468,11 +469,11 @@ class KVCacheManager:
           rest of all of them (`num_new_tokens` a step) would peak above the free
           and dead pages: their prefills, each evicting for its peak, would take
           the set that keeps hitting (loop pages too: they are that set); one
-          after the other, the next one reuses the room the last one left. At 32 Gemma 3 articles
-          round-robin, 8192-token steps, this took 1/s from 59.8% to 62.5% and
-          4/s from 43.1% to 51.8%, with lower TTFT (p99 1.9 -> 1.0 s and 41 ->
-          22 s): misses compute less. Where they fit (short prompts), waiting
-          would only leave the step's budget unused.
+          after the other, the next one reuses the room the last one left. At
+          32 Gemma 3 articles round-robin, 8192-token steps, this took 1/s from
+          59.8% to 62.5% and 4/s from 43.1% to 51.8%, with lower TTFT (p99 1.9 ->
+          1.0 s and 41 -> 22 s): misses compute less. Where they fit (short
+          prompts), waiting would only leave the step's budget unused.
         """
         r = self._req(req_id)
         if _loop_miss(r):
