@@ -78,6 +78,14 @@ class RequestKV:
     lent: int = 0
 
 
+def _put_newest(d: dict, key: Hashable, value: object, limit: int) -> None:
+    """d[key] = value as d's newest entry; past `limit` entries the oldest goes."""
+    d.pop(key, None)
+    d[key] = value
+    if len(d) > limit:
+        del d[next(iter(d))]
+
+
 class ReusePoints:
     """Prefix ends (in blocks) where a cached prefix is likely to be hit again.
 
@@ -125,10 +133,8 @@ class ReusePoints:
         short = [1 << i for i in range(self.SAMPLE.bit_length() - 1) if 1 << i < n]
         turn = r.prompt_len // self.T if r.num_computed > r.prompt_len else 0
         if 0 < turn < n:
-            self.turns.pop(hashes[turn - 1], None)
-            self.turns[hashes[turn - 1]] = tuple(r.tokens[turn * self.T:r.prompt_len])
-            if len(self.turns) > self.limit:
-                del self.turns[next(iter(self.turns))]
+            _put_newest(self.turns, hashes[turn - 1], tuple(r.tokens[turn * self.T:r.prompt_len]),
+                        self.limit)
         for e in [*short, *range(self.SAMPLE, n, self.SAMPLE), turn, n]:
             if e:
                 seen.pop(hashes[e - 1], None)
@@ -136,11 +142,7 @@ class ReusePoints:
         while len(seen) > 2 * self.limit:
             del seen[next(iter(seen))]
         if n:
-            ends = self.ends
-            ends.pop(hashes[n - 1], None)
-            ends[hashes[n - 1]] = r.prompt_len // self.T
-            if len(ends) > self.limit:
-                del ends[next(iter(ends))]
+            _put_newest(self.ends, hashes[n - 1], r.prompt_len // self.T, self.limit)
 
     def reuse_key(self, r: RequestKV, p: int, q: int, now: int) -> int | None:
         """The eviction key of r's pages if r belongs to a loop, else None (the step).
@@ -200,11 +202,7 @@ class ReusePoints:
         return None
 
     def mark(self, h: Hashable) -> None:
-        marks = self.marks
-        marks.pop(h, None)
-        marks[h] = None
-        if len(marks) > self.limit:
-            del marks[next(iter(marks))]
+        _put_newest(self.marks, h, None, self.limit)
 
     # Tokens before the prompt's end that count as its end region: a question or an
     # instruction after a shared document usually fits; a longer one is found as a

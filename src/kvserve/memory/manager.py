@@ -436,14 +436,12 @@ class KVCacheManager:
                     m.free_all(r, self._key(r))
         finally:
             self.alloc.end_release()
-        if taken_back:
-            self.alloc.forget_request(req_id)
-            return
-        if self.write_behind:
-            self._write_ahead(r)
-        # An admission that was taken back computed nothing: no use to remember.
-        if self.enable_caching and r.num_computed > r.num_hit:
-            self.reuse.remember(r)
+        if not taken_back:
+            if self.write_behind:
+                self._write_ahead(r)
+            # An admission taken back after allocating computed nothing: no use to remember.
+            if self.enable_caching and r.num_computed > r.num_hit:
+                self.reuse.remember(r)
         self.alloc.forget_request(req_id)
 
     abort = finish  # an abort keeps what was computed: it is valid KV
