@@ -320,3 +320,46 @@ def test_the_fast_tokenizer_is_shared_across_threads(kv: KvModel) -> None:
         decoded = pool.map(tok.decode, want * 4)
         assert list(encoded) == want * 4
         assert list(decoded) == [tok.decode(ids) for ids in want] * 4
+
+
+def test_cached_tokenizer_keeps_compact_merges_with_the_same_ids(gguf_path: Path) -> None:
+    """The cache writes Gemma 3's merges as "left right" strings (faster to parse at every
+    start); a tokenizer over the same file with the merges as pairs gives the same ids."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from kvserve.datasets.sharegpt import load_conversations
+
+    entry = loader_mod.default_cache_dir() / f"{_sha256(gguf_path)}-v{loader_mod.CACHE_FORMAT}"
+    data = json.loads((entry / "tokenizer" / "tokenizer.json").read_text(encoding="utf-8"))
+    merges = data["model"]["merges"]
+    assert len(merges) > 500_000 and all(isinstance(m, str) for m in merges)
+    compact = Tokenizer.from_str(json.dumps(data))
+    data["model"]["merges"] = [m.split(" ") for m in merges]
+    assert all(len(pair) == 2 for pair in data["model"]["merges"])
+    pairs = Tokenizer.from_str(json.dumps(data))
+    texts = [text for conv in load_conversations(limit=60) for _, text in conv.turns]
+    texts += ["  spaces\n\nand\ttabs", "émoji 🤖 and 中文", "def f(x):\n    return x ** 2"]
+    assert compact.encode_batch(texts) and [e.ids for e in compact.encode_batch(texts)] == \
+        [e.ids for e in pairs.encode_batch(texts)]
+
+
+def test_compact_merges_leaves_a_vocabulary_with_spaces_alone(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+
+    from kvserve.models.tokenizer import compact_merges
+
+    def saved(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Path:
+        path = tmp_path / f"t{len(vocab)}.json"
+        Tokenizer(BPE(vocab, merges)).save(str(path))
+        return path
+
+    spaced = saved({"a": 0, " ": 1, "a ": 2}, [("a", " ")])
+    before = spaced.read_bytes()
+    assert not compact_merges(spaced) and spaced.read_bytes() == before
+    plain = saved({"a": 0, "b": 1, "ab": 2, "abb": 3}, [("a", "b"), ("ab", "b")])
+    assert compact_merges(plain)
+    assert Tokenizer.from_file(str(plain)).encode("abbab").ids == [3, 2]
+    assert not compact_merges(plain)  # already compact

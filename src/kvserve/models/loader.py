@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # transformers is slow to import; only some tokenizers need i
     Tokenizer = FastTokenizer | PreTrainedTokenizerBase
 
 # Bump when the converted layout changes so stale caches are rebuilt rather than misread.
-CACHE_FORMAT = 3  # 2: the config records the GGUF's weight types; 3: and its family
+# 2: the config records the GGUF's weight types; 3: and its family; 4: compact merges
+CACHE_FORMAT = 4
 _CONFIG_FILE = "config.json"
 _WEIGHTS_FILE = "model.safetensors"
 _TOKENIZER_DIR = "tokenizer"  # own folder: AutoTokenizer would misread our config.json
@@ -206,12 +207,15 @@ def _convert_gguf_to_cache(gguf_path: Path, entry: Path) -> None:
 def _write_entry(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoTokenizer
 
+    from kvserve.models.tokenizer import compact_merges
+
     config, state_dict = read_gguf(gguf_path)
     save_file(state_dict, out_dir / _WEIGHTS_FILE)
     # transformers' own GGUF tokenizer conversion (slow: it re-parses the vocab), saved as
     # tokenizer.json + tokenizer_config.json so later loads skip it.
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out_dir / _TOKENIZER_DIR))
+    compact_merges(out_dir / _TOKENIZER_DIR / "tokenizer.json")
     # config.json last: _cache_complete treats its presence as "entry finished".
     meta = {**config.to_dict(), _FORMAT_KEY: CACHE_FORMAT, "source": str(gguf_path)}
     (out_dir / _CONFIG_FILE).write_text(json.dumps(meta, indent=2))

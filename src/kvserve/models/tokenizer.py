@@ -191,6 +191,26 @@ class FastTokenizer:
             (out / "chat_template.jinja").write_text(self.chat_template)
 
 
+def compact_merges(tokenizer_file: Path) -> bool:
+    """Rewrite a BPE tokenizer.json's merges from pairs to "left right" strings, unless a
+    token holds a space (then the string form would split it wrongly); True if rewritten.
+
+    Why: `tokenizers` parses the string form about twice as fast (Gemma 3's 514,906
+    merges: 0.9-1.0 s for the whole file against 1.4-1.6 s as pairs, on the slower
+    2-core VMs), and the tokenizer is on the critical path of a warm start. Both forms
+    build the same merge table, so the ids are the same (test)."""
+    path = Path(tokenizer_file)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    model = data.get("model", {})
+    merges = model.get("merges")
+    if model.get("type") != "BPE" or not merges or isinstance(merges[0], str) \
+            or any(" " in token for token in model["vocab"]):
+        return False
+    model["merges"] = [f"{left} {right}" for left, right in merges]
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return True
+
+
 def _token_text(value: Any) -> Any:
     """A special token as tokenizer_config.json stores it (a string, or an AddedToken's
     fields), as text."""
