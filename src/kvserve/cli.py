@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -20,13 +21,23 @@ COMMANDS = {
 }
 
 
+# Commands that leave nothing to clean up: the console script ends their process without
+# the interpreter's teardown, which takes 0.5-0.6 s once torch is imported on the 2-core
+# VMs (`python -c "import torch"`: 2.1 s against 1.5 s ending with os._exit).
+QUICK_EXIT = {"generate"}
+
+
+def _command(argv: list[str]) -> str | None:
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     # Only the chosen command's module is imported: the others pull in the server, the
     # simulator or plotting, seconds of start-up that `kvserve generate` should not pay.
-    chosen = next((a for a in argv if not a.startswith("-")), None)
+    chosen = _command(argv)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
@@ -37,5 +48,15 @@ def main(argv: list[str] | None = None) -> None:
     args.func(args)
 
 
+def run() -> None:
+    """The `kvserve` console script: main, then for QUICK_EXIT commands an exit as soon as
+    their output is flushed."""
+    main()
+    if _command(sys.argv[1:]) in QUICK_EXIT:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

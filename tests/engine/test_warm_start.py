@@ -68,3 +68,21 @@ def test_a_warm_start_generates_what_a_cold_one_does(cache_root, dtype, quantiza
 def _refuse(*_: object, **__: object) -> None:
     raise AssertionError("built from the float weights: the packed file was not used")
 
+
+
+def test_the_console_script_streams_the_greedy_text_and_exits_cleanly() -> None:
+    """`kvserve generate` ends its process as soon as the text is flushed (cli.QUICK_EXIT):
+    all of it is printed, and the exit status is 0."""
+    import subprocess
+    import sys
+
+    engine = LLMEngine.load(EngineConfig(kv_memory=256 << 20))
+    params = SamplingParams(temperature=0, max_tokens=6)
+    engine.add_request("0", "Hello there", params)
+    want = ""
+    while engine.has_unfinished():
+        want += "".join(out.new_text for out in engine.step())
+    got = subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "--max-tokens", "6",
+                          "Hello there"], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout == want + "\n"

@@ -58,7 +58,7 @@ def entry(tmp_path: Path, request) -> tuple[Path, object, dict[str, torch.Tensor
 
 def _opened(entry: tuple) -> loader.OpenedModel:
     path, config, state = entry
-    return loader.OpenedModel(config, dict(state), Future(), path)
+    return loader.OpenedModel(config, dict(state), path, path, Future())  # no tokenizer
 
 
 def _from_float(config, state, mode: str, dtype: torch.dtype) -> Gemma3ForCausalLM:  # noqa: ANN001
@@ -205,3 +205,11 @@ def test_modes_without_a_saved_form_and_hf_directories_quantize_as_before(entry)
         model = loader.build_quantized(opened, "q8", torch.float32)
     assert model.quantization == "q8"
     assert not any(p.name.startswith("packed-") for p in path.iterdir())
+
+
+def test_the_crc_check_of_a_missing_or_empty_file_neither_hangs_nor_passes(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError):
+        packed.data_crc_soon(tmp_path / "none").result(timeout=10)
+    (tmp_path / "empty").write_bytes(b"")
+    with pytest.raises(ValueError):  # mmap refuses an empty file
+        packed.data_crc_soon(tmp_path / "empty").result(timeout=10)

