@@ -8,7 +8,8 @@ bf16 packed (oneDNN's prepacked weight: q8+bf16 above 16 rows); int8 blocks (bot
 int8 blocks of 32 through VNNI: q8+int8 above 16 rows); fbgemm fp16 and dynamic int8 (what
 --quantization fp16/int8 run); our Q8_0 and Q5_0 kernels (q8, q5: what q8 serves a GGUF's
 Q5_0 tensors with);
-torch's weight-only `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (group 32).
+torch's weight-only `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (group 32);
+oneDNN's int8 GEMM (`onednn int8`, AMX where the CPU has it; activations a scale per row).
 Prints ms per call (best of --rounds, candidates interleaved so that a busy machine slows
 them alike) with the ratio to float32 and to fbgemm fp16, and the CPU it ran on.
 """
@@ -54,6 +55,26 @@ def int8pack_linear(w: torch.Tensor):
     return lambda x: torch.ops.aten._weight_int8pack_mm(x, w8, scale)
 
 
+def onednn_int8_linear(w: torch.Tensor, per_row: bool = True):
+    """oneDNN's int8 GEMM (AMX tiles where the CPU has them): the weight int8 per output
+    row; the activations with one scale for all (what qlinear takes) or, per_row, one per
+    row, passed as 1 and applied to the output. Tried for the AMX kind's head, not kept
+    (docs/benchmarks.md: quality)."""
+    scale = w.abs().amax(1).clamp(min=1e-12) / 127
+    packed = torch.ops.onednn.qlinear_prepack((w / scale[:, None]).round().to(torch.int8),
+                                              [32, w.shape[1]])
+    zeros = torch.zeros(w.shape[0], dtype=torch.long)
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        s = (x.abs().amax(-1, keepdim=True) if per_row else x.abs().amax()).clamp(min=1e-12) / 127
+        y = torch.ops.onednn.qlinear_pointwise(
+            torch.round(x / s).to(torch.int8), 1.0 if per_row else float(s), 0, packed, scale,
+            zeros, None, 1.0, 0, torch.bfloat16, "none", [], "")
+        return y.mul_(s.to(y.dtype)) if per_row else y
+    return linear
+
+
 def bf16_linear(w: torch.Tensor):
     wb = w.bfloat16()
     return lambda x: torch.nn.functional.linear(x.bfloat16(), wb)
@@ -77,6 +98,7 @@ MAKERS = {
     "bf16": bf16_linear,
     "bf16 packed": bf16_packed_linear,
     "int8 blocks": i8_linear,
+    "onednn int8": onednn_int8_linear,
     "fbgemm fp16": lambda w: quantized(w, "fp16"),
     "fbgemm int8": lambda w: quantized(w, "int8"),
     "q8": lambda w: quantized(w, "q8"),

@@ -14,6 +14,7 @@ import json
 import math
 
 import torch
+from cpu_linears import onednn_int8_linear
 
 from kvserve.cpu_features import bf16_native, summary
 from kvserve.datasets.sharegpt import load_conversations
@@ -40,6 +41,11 @@ VARIANTS = {
     # q8+bf16 with one kind of projection taking q8+int8's copies: what each costs alone.
     **{f"q8+bf16 + int8 blocks in {kind}": dict(quantization="q8+bf16", int8_in=kind)
        for kind in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")},
+    # Tried for the AMX kind's batch head, not kept: oneDNN's int8 GEMM (cpu_linears.py),
+    # activations with one scale for all or one per row.
+    "q8+bf16, oneDNN int8 head, one scale": dict(quantization="q8+bf16", head="onednn"),
+    "q8+bf16, oneDNN int8 head, a scale per row": dict(quantization="q8+bf16",
+                                                       head="onednn rows"),
     "fp16 (all linears + head)": dict(quantization="fp16"),
     "int8 (all linears + head)": dict(quantization="int8"),
 }
@@ -78,6 +84,9 @@ def main() -> None:
         m.quantize(kw["quantization"])
         if kw.get("head") == "q5":
             m.quant_head = Q5Linear(m.model.embed_tokens.weight)
+        elif kw.get("head", "").startswith("onednn"):
+            m.quant_head = onednn_int8_linear(m.model.embed_tokens.weight.float(),
+                                              per_row=kw["head"].endswith("rows"))
         if kw.get("int8_in"):
             if not vnni():
                 continue
