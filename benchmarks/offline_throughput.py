@@ -242,7 +242,11 @@ def machine_limits() -> dict:
 def breakdown(args: argparse.Namespace) -> dict:
     """Where a decode step's time goes at batch 1 and 32 (the fixed workload's prompts):
     the LM head, the layers' projections, attention, sampling, and the rest (norms,
-    activations, embedding, scheduler and Python), in ms a step over 64 decode steps."""
+    activations, embedding, scheduler and Python), in ms a step over 64 decode steps; the
+    rest split into what the model's forward spends outside projections and attention
+    ("in model": norms, RoPE, activations, embedding, the layers' Python) and what the
+    engine does around it ("engine": scheduling, the KV manager, batch tensors,
+    detokenizing)."""
     from kvserve.engine.sampler import Sampler
     from kvserve.models.base import CausalLM
     from kvserve.models.layers import Linear
@@ -252,10 +256,11 @@ def breakdown(args: argparse.Namespace) -> dict:
     warm(engine)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 200_000, (128,), generator=g).tolist() for _ in range(32)]
-    totals: dict[str, float] = dict.fromkeys(["head", "projections", "attention", "sampling"],
-                                             0.0)
+    parts = ["head", "projections", "attention", "sampling"]
+    totals = dict.fromkeys([*parts, "forward"], 0.0)
     patches = [(CausalLM, "compute_logits", "head"), (Linear, "forward", "projections"),
-               (PagedAttention, "__call__", "attention"), (Sampler, "sample", "sampling")]
+               (PagedAttention, "__call__", "attention"), (Sampler, "sample", "sampling"),
+               (type(engine.model), "forward", "forward")]
     originals = [(cls, name, getattr(cls, name)) for cls, name, _ in patches]
     out = {"cpu": summary(), "dtype": str(engine.model.dtype),
            "quantization": engine.model.quantization, "limits": machine_limits()}
@@ -275,8 +280,11 @@ def breakdown(args: argparse.Namespace) -> dict:
             for _ in range(steps):
                 engine.step()
             total = (time.perf_counter() - t0) / steps * 1e3
-            row = {k: round(v / steps * 1e3, 2) for k, v in totals.items()}
-            row["rest"] = round(total - sum(row.values()), 2)
+            ms = {k: v / steps * 1e3 for k, v in totals.items()}
+            row = {k: round(ms[k], 2) for k in parts}
+            row["rest"] = round(total - sum(ms[k] for k in parts), 2)
+            row["in model"] = round(ms["forward"] - ms["projections"] - ms["attention"], 2)
+            row["engine"] = round(row["rest"] - row["in model"], 2)
             row["step"] = round(total, 2)
             out[f"batch{batch}"] = row
             while engine.has_unfinished():
