@@ -84,7 +84,9 @@ def test_quantized_matmul_refuses_bad_shapes(kernels, fmt):
     with pytest.raises(ValueError, match=f"{fmt}_matmul"):
         matmul(torch.randn(5, 160), q, d)  # packed for K = 64
     with pytest.raises(ValueError, match=f"{fmt}_matmul"):
-        matmul(torch.randn(1, 64).bfloat16(), q, d)
+        matmul(torch.randn(1, 64).half(), q, d)
+    with pytest.raises(ValueError, match=f"{fmt}_matmul"):
+        matmul(torch.randn(2, 128)[:, ::2], q, d)  # no unit stride within a row
     with pytest.raises(ValueError, match=f"{fmt}_pack"):
         pack(torch.zeros(4, 48, dtype=codes), torch.zeros(4, 1, dtype=scales))
 
@@ -101,3 +103,16 @@ def test_q8_quantize_packs_what_q8_blocks_rounds(kernels, k: int) -> None:
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(ValueError, match="q8_quantize"):
         kernels.q8_quantize(torch.zeros(4, 48))
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q5"])
+@pytest.mark.parametrize("M", [1, 6])
+def test_bfloat16_rows_give_the_float32_result_rounded(kernels, fmt, M):
+    """bf16 rows in, bf16 out (what a bf16 model's layers pass): the float32 path's result
+    rounded to nearest even, bit for bit, strided rows too."""
+    g = torch.Generator().manual_seed(M)
+    _, matmul = _quantized_weight(kernels, fmt, g, 77, 96)
+    x = torch.randn(M, 104, generator=g).bfloat16()[:, :96]
+    got = matmul(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, 77)
+    assert torch.equal(got, matmul(x.float()).bfloat16())

@@ -31,9 +31,12 @@
  * registers, so the dot products, sums and scaling are Q8_0's (see q5_decode).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 
 #define ROWS 4      /* activation rows per micro-kernel call */
 #define COLS 2      /* output columns per micro-kernel call */
@@ -188,7 +191,7 @@ static inline float HSUM(__m256 v) {
  * Within a group every lane sums exactly in int32 (16 products of |w x| < 2^22); the lanes'
  * 4 blocks are scaled in float32 at the end of the group. */
 INLINE void tile(const int R, const int C, const int F, const void *q, const void *d,
-                 const int16_t *x, const float *xd, int Kp, int64_t N, float *y) {
+                 const int16_t *x, const float *xd, int Kp, int64_t N, void *y, int bf16) {
     const int nb = Kp / 32;
     const int64_t stride = row_bytes(F, Kp);
     const uint8_t *qb = q;
@@ -237,17 +240,23 @@ INLINE void tile(const int R, const int C, const int F, const void *q, const voi
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) y[r * N + c] = HSUM(acc[r][c]);
+        for (int c = 0; c < C; c++) {
+            const float v = HSUM(acc[r][c]);
+            if (bf16)
+                ((uint16_t *)y)[r * N + c] = bf16_store(v);
+            else
+                ((float *)y)[r * N + c] = v;
+        }
 }
 
 /* One instance per (format, rows, columns): tile()'s loops unroll only for constants. */
 #define TILE_CASE(F, R, C)                                                                  \
-    case ((F) * ROWS + R - 1) * COLS + C - 1: tile(R, C, F, q, d, x, xd, Kp, N, y); break;
+    case ((F) * ROWS + R - 1) * COLS + C - 1: tile(R, C, F, q, d, x, xd, Kp, N, y, bf16); break;
 #define TILE_CASES(F)                                                                       \
     TILE_CASE(F, 1, 1) TILE_CASE(F, 1, 2) TILE_CASE(F, 2, 1) TILE_CASE(F, 2, 2)             \
     TILE_CASE(F, 3, 1) TILE_CASE(F, 3, 2) TILE_CASE(F, 4, 1) TILE_CASE(F, 4, 2)
 static void tile_any(int F, int R, int C, const void *q, const void *d, const int16_t *x,
-                     const float *xd, int Kp, int64_t N, float *y) {
+                     const float *xd, int Kp, int64_t N, void *y, int bf16) {
     switch ((F * ROWS + R - 1) * COLS + C - 1) {
         TILE_CASES(Q8) TILE_CASES(Q5)
     }
@@ -286,22 +295,27 @@ static inline const void *scale_at(int F, const void *d, int64_t n, int nb) {
                    : (const void *)((const uint16_t *)d + n * nb);
 }
 
-static int q_gemm(int F, const void *q, const void *d, const float *x, int64_t ldx, int M,
-                  int64_t N, int K, float *y, int threads) {
-    const int Kp = (K + GROUP - 1) / GROUP * GROUP, nb = Kp / 32;
+static int q_gemm(int F, const void *q, const void *d, const void *x, int64_t ldx, int M,
+                  int64_t N, int K, void *y, int bf16, int threads) {
+    const int Kp = (K + GROUP - 1) / GROUP * GROUP, nb = Kp / 32, esize = bf16 ? 2 : 4;
     const int64_t stride = row_bytes(F, Kp);
     int16_t *xq = malloc((size_t)M * Kp * sizeof(int16_t));
     float *xd = malloc((size_t)M * nb * sizeof(float));
-    if (!xq || !xd) {
+    float *rows = malloc((size_t)threads * K * sizeof(float));
+    if (!xq || !xd || !rows) {
         free(xq);
         free(xd);
+        free(rows);
         return 2;
     }
 #pragma omp parallel num_threads(threads)
     {
+        float *row = rows + (size_t)omp_get_thread_num() * K;
 #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++)
-            quantize_x16(x + m * ldx, K, Kp, xq + (size_t)m * Kp, xd + (size_t)m * nb);
+        for (int m = 0; m < M; m++) {
+            load_row(x, m * ldx, row, K, bf16);
+            quantize_x16(row, K, Kp, xq + (size_t)m * Kp, xd + (size_t)m * nb);
+        }
         /* A chunk's weights stay in L2 while every row tile (in L1) passes over them. One
          * row (decode) is bound by reading the weights: one column at a time streams them
          * fastest (measured on the 262k-row LM head). */
@@ -314,20 +328,25 @@ static int q_gemm(int F, const void *q, const void *d, const float *x, int64_t l
                     tile_any(F, M - m < ROWS ? M - m : ROWS, n1 - n < cols ? n1 - n : cols,
                              (const uint8_t *)q + n * stride, scale_at(F, d, n, nb),
                              xq + (size_t)m * Kp, xd + (size_t)m * nb, Kp, N,
-                             y + (size_t)m * N + n);
+                             (char *)y + ((size_t)m * N + n) * esize, bf16);
         }
     }
     free(xq);
     free(xd);
+    free(rows);
     return 0;
 }
 #else
 /* The plain path: float32 products of the weights' integer values and the float32
  * activations. */
-static int q_gemm(int F, const void *q, const void *d, const float *x, int64_t ldx, int M,
-                  int64_t N, int K, float *y, int threads) {
+static int q_gemm(int F, const void *q, const void *d, const void *xin, int64_t ldx, int M,
+                  int64_t N, int K, void *y, int bf16, int threads) {
     const int Kp = (K + GROUP - 1) / GROUP * GROUP, nb = Kp / 32;
     const int64_t stride = row_bytes(F, Kp);
+    float *x = malloc((size_t)M * K * sizeof(float) + 1);  /* the rows as float32 */
+    if (!x) return 2;
+    for (int m = 0; m < M; m++) load_row(xin, m * ldx, x + (size_t)m * K, K, bf16);
+    ldx = K;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         for (int m = 0; m < M; m++) {
@@ -343,31 +362,36 @@ static int q_gemm(int F, const void *q, const void *d, const float *x, int64_t l
                 acc += (F == Q8 ? ((const float *)d)[n * nb + b]
                                 : half_to_float(((const uint16_t *)d)[n * nb + b])) * s;
             }
-            y[m * N + n] = acc;
+            if (bf16)
+                ((uint16_t *)y)[m * N + n] = bf16_store(acc);
+            else
+                ((float *)y)[m * N + n] = acc;
         }
     }
+    free(x);
     return 0;
 }
 #endif
 
 /* y[m][n] = sum_b d[n][b] * sum_j W[n][32b + j] * x[m][32b + j] for m < M, with W's int8
  * values q and scales d as kvs_q8_pack lays them out (Kp = K rounded up to 128);
- * x: float rows of K (row stride ldx), y: [M][N]. Returns 1 if K is not a multiple of 32
- * or M < 0, 2 if scratch memory could not be had, else 0. */
-int kvs_q8_matmul(const int8_t *q, const float *d, const float *x, int64_t ldx, int M,
-                  int64_t N, int K, float *y, int threads) {
+ * x: rows of K (row stride ldx), y: [M][N], both float32 or (bf16) both bfloat16 (y
+ * rounded to nearest even, as torch casts). Returns 1 if K is not a multiple of 32 or
+ * M < 0, 2 if scratch memory could not be had, else 0. */
+int kvs_q8_matmul(const int8_t *q, const float *d, const void *x, int64_t ldx, int M,
+                  int64_t N, int K, void *y, int bf16, int threads) {
     if (K % 32 || M < 0) return 1;
     if (M == 0 || N == 0) return 0;
-    return q_gemm(Q8, q, d, x, ldx, M, N, K, y, threads);
+    return q_gemm(Q8, q, d, x, ldx, M, N, K, y, bf16, threads);
 }
 
 /* As kvs_q8_matmul, for W in Q5_0 blocks as kvs_q5_pack lays them out: q [N][Kp / 128 * 80]
  * bytes, d fp16 [N][Kp / 32]. */
-int kvs_q5_matmul(const uint8_t *q, const uint16_t *d, const float *x, int64_t ldx, int M,
-                  int64_t N, int K, float *y, int threads) {
+int kvs_q5_matmul(const uint8_t *q, const uint16_t *d, const void *x, int64_t ldx, int M,
+                  int64_t N, int K, void *y, int bf16, int threads) {
     if (K % 32 || M < 0) return 1;
     if (M == 0 || N == 0) return 0;
-    return q_gemm(Q5, q, d, x, ldx, M, N, K, y, threads);
+    return q_gemm(Q5, q, d, x, ldx, M, N, K, y, bf16, threads);
 }
 
 /* Q8_0 blocks (q int8 [N][K], d float [N][K/32], K a multiple of 32) in the layout

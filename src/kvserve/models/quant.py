@@ -144,6 +144,11 @@ class BlockLinear:
         self.kernels = self._kernels()
         self.q, self.d = self._quantize(weight.detach().float().contiguous())
         self.out_features, self.in_features = weight.shape
+        self._bind()
+
+    def _bind(self) -> None:
+        self.matmul = getattr(self.kernels, f"{self.KIND}_bound")(self.q, self.d,
+                                                                  self.in_features)
 
     @classmethod
     def _kernels(cls) -> CpuKernels:
@@ -161,6 +166,7 @@ class BlockLinear:
         self = cls.__new__(cls)
         self.kernels, self.q, self.d = cls._kernels(), q, d
         self.out_features, self.in_features = q.shape[0], in_features
+        self._bind()
         return self
 
     def packed_state(self) -> dict[str, torch.Tensor]:
@@ -168,10 +174,11 @@ class BlockLinear:
         return dict(zip(self.KEYS, (self.q, self.d), strict=True))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        matmul = getattr(self.kernels, f"{self.KIND}_matmul")
-        y = matmul(rows, self.q, self.d).view(*x.shape[:-1], self.out_features)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        # float32 and bfloat16 rows go to the kernel as they are, and come back so.
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype not in (torch.float32, torch.bfloat16) or rows.stride(-1) != 1:
+            return self(x.float().contiguous()).to(x.dtype)
+        return self.matmul(rows).view(*x.shape[:-1], self.out_features)
 
     def nbytes(self) -> int:
         return self.q.numel() + self.d.numel() * self.d.element_size()
@@ -241,12 +248,6 @@ class I8Linear(BlockLinear):
 
     def _quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kernels.i8_pack(weight)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # float32 or bf16 rows go in as they are
-        rows = rows if rows.dtype == torch.bfloat16 else rows.float()
-        y = self.kernels.i8_matmul(rows.contiguous(), self.q, self.d)
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
 class Int8Linear:
