@@ -35,9 +35,11 @@ WINDOW, PAGE = 8, 4
 def _save(directory, attn_cap: float | None, final_cap: float | None):
     import transformers as tf
 
+    # eager: transformers' SDPA path skips the scores' soft-capping (its 5.17 makes SDPA
+    # the default, which gives other tokens than Gemma 2's; seen on the GPU image).
     cfg = tf.Gemma2Config(**BASE, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16,
                           sliding_window=WINDOW, attn_logit_softcapping=attn_cap,
-                          final_logit_softcapping=final_cap)
+                          final_logit_softcapping=final_cap, attn_implementation="eager")
     return save_tiny(cfg, tf.Gemma2ForCausalLM, directory)
 
 

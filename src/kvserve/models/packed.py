@@ -15,8 +15,8 @@ kernels' `CpuKernels.Q8_LAYOUT`, the mode, the dtype, the float weights' size an
 the tensor names, shapes and dtypes the model expects, the file's size and a CRC-32 of
 its tensor bytes (~0.3-0.4 s per GB: one zlib call over the mapped file, unmapped
 after, which a start runs beside the tokenizer's parse). Anything else, a truncated or
-corrupted file included, is removed and the model quantized again; a cache that cannot be written (a
-full disk, a read-only directory) only costs the next start the same work.
+corrupted file included, is removed and the model quantized again; a cache that cannot
+be written (a full disk, a read-only directory) only costs the next start the same work.
 """
 
 from __future__ import annotations
