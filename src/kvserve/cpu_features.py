@@ -9,11 +9,18 @@ kvserve runs on every x86-64 CPU torch supports. Three facts pick the code paths
 
 ``python -m kvserve.cpu_features`` prints the summary; CI and the pytest header show it so a
 green run says which paths it covered.
+
+KVSERVE_CPU_FLAGS (comma-separated, e.g. ``avx2,fma,f16c``) makes kvserve take the paths of a
+CPU with only those of the relevant features: its dispatch, the kernels' build (the missing
+ISAs turned off) and bf16_native follow it, so a run on an AVX-512 machine covers the
+AVX2-only machines' paths too (CI runs part of the suite so). torch's and oneDNN's own
+kernels still use what the CPU has.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
 
@@ -39,9 +46,20 @@ def _cpuinfo() -> dict[str, str]:
     return fields
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
+    """The CPU's flags, less the relevant ones KVSERVE_CPU_FLAGS leaves out where it is set."""
     info = _cpuinfo()
-    return frozenset((info.get("flags") or info.get("Features") or "").split())
+    flags = frozenset((info.get("flags") or info.get("Features") or "").split())
+    kept = os.environ.get("KVSERVE_CPU_FLAGS")
+    if kept is None:
+        return flags
+    return flags - (set(RELEVANT) - set(filter(None, kept.replace(",", " ").split())))
+
+
+def masked() -> bool:
+    """Whether KVSERVE_CPU_FLAGS hides features this CPU has."""
+    return "KVSERVE_CPU_FLAGS" in os.environ
 
 
 def cpu_name() -> str:
@@ -58,7 +76,14 @@ def feature_set() -> tuple[str, ...]:
 @functools.cache
 def bf16_native() -> bool:
     """Whether oneDNN computes bf16 matmuls natively here (else torch emulates them)."""
+    if masked() and not (BF16_FEATURES & cpu_flags()
+                         or {"avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()):
+        return False
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+# Any one of these, or AVX-512 BW+VL+DQ together, gives oneDNN native bf16 (bf16_missing).
+BF16_FEATURES = frozenset({"avx512_bf16", "amx_bf16", "avx_ne_convert"})
 
 
 def bf16_missing() -> str:
@@ -70,7 +95,8 @@ def bf16_missing() -> str:
 def summary() -> str:
     """One line: the CPU, its relevant features, torch's ISA level and the bf16 verdict."""
     bf16 = "native" if bf16_native() else "emulated"
-    return (f"{cpu_name()}: {' '.join(feature_set()) or 'no SIMD flags found'}; "
+    shown = " (KVSERVE_CPU_FLAGS: the others hidden)" if masked() else ""
+    return (f"{cpu_name()}: {' '.join(feature_set()) or 'no SIMD flags found'}{shown}; "
             f"torch {torch.__version__} capability {torch.backends.cpu.get_cpu_capability()}; "
             f"bf16 matmul {bf16}; {torch.get_num_threads()} threads")
 

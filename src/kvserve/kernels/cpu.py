@@ -25,12 +25,21 @@ from typing import Any
 
 import torch
 
-from kvserve.cpu_features import cpu_flags
+from kvserve.cpu_features import cpu_flags, masked
 from kvserve.paths import default_cache_dir
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _isa_flags() -> list[str]:
+    """-march=native's ISAs that KVSERVE_CPU_FLAGS hides, turned off."""
+    if not masked():
+        return []
+    flags = cpu_flags()
+    off = [] if "avx512f" in flags else ["-mno-avx512f"]
+    return off + ([] if {"avx2", "fma"} <= flags else ["-mno-avx2", "-mno-fma"])
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -352,7 +361,8 @@ def cpu_kernels(extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
                       stacklevel=2)
         return None
     try:
-        return CpuKernels(ctypes.CDLL(str(_build(compiler, [*_FLAGS, *extra_flags]))))
+        return CpuKernels(ctypes.CDLL(str(_build(compiler,
+                                                 [*_FLAGS, *_isa_flags(), *extra_flags]))))
     except (OSError, subprocess.CalledProcessError) as err:
         detail = getattr(err, "stderr", "") or err
         warnings.warn(f"kvserve: CPU kernels did not build ({detail}); using PyTorch ops",
