@@ -510,9 +510,13 @@ class KVCacheManager:
         waits.pop(req_id, None)
         return True
 
-    # A loop miss prefills at most this many tokens a step while the queue is short.
+    # A loop miss prefills at most this many tokens a step while the queue is short:
+    # at most SHORT_QUEUE others wait. 2, not 4: Jamba 1.5 Mini, 32 articles
+    # round-robin at 4/s, 15.1% -> 19.2% (its queue stays short, and the cap slowed
+    # it), Gemma 3 shuffled 32 at 4/s 53.4% -> 54.9%; Gemma 3's 1/s loops keep the
+    # cap's gain but for 0.9 points at two of them (docs/benchmarks.md).
     LOOP_MISS_CHUNK = 2048
-    SHORT_QUEUE = 4
+    SHORT_QUEUE = 2
 
     def max_chunk(self, req_id: RequestId, waiting: int) -> int | None:
         """The most prompt tokens the request may compute this step (None: the step's
