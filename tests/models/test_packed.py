@@ -157,18 +157,28 @@ def _short_write(real):  # noqa: ANN001, ANN202
     return write
 
 
+def _corrupt_write(real):  # noqa: ANN001, ANN202
+    """save_file that writes one byte of the data wrong (bad memory, a faulty disk)."""
+    def write(state, path, metadata=None):  # noqa: ANN001, ANN202
+        real(state, path, metadata=metadata)
+        _damage(Path(path), "corrupted")
+    return write
+
+
 def _raise(code: int):  # noqa: ANN202
     def fail(*_: object, **__: object) -> None:
         raise OSError(code, os.strerror(code))
     return fail
 
 
-@pytest.mark.parametrize("how", ["full disk", "read-only", "no permission"])
+@pytest.mark.parametrize("how", ["full disk", "corrupted write", "read-only", "no permission"])
 def test_an_unwritable_cache_only_costs_the_next_start(entry, how, monkeypatch) -> None:
     path, config, state = entry
     mode, dtype = MODES[0]
     if how == "full disk":
         monkeypatch.setattr(packed, "save_file", _short_write(packed.save_file))
+    elif how == "corrupted write":  # caught: the CRC is of the tensors in memory
+        monkeypatch.setattr(packed, "save_file", _corrupt_write(packed.save_file))
     else:  # the directory refuses new files
         code = errno.EROFS if how == "read-only" else errno.EACCES
         monkeypatch.setattr(packed.tempfile, "mkstemp", _raise(code))

@@ -48,8 +48,8 @@ from kvserve.models.quant import from_packed, layer_mode, serves_q5, vnni
 FORMAT = 2  # bump when what the file holds changes (2: the CRC in file order)
 MODES = ("q8", "q8+bf16", "q8+int8")
 HEAD = "tied_head"  # the key prefix of a tied embedding's packed head
-# The header's CRC is written once the data is: a fixed-width placeholder, overwritten in
-# place, so that nothing moves.
+# The header's CRC is written once the data is (the file's order of the tensors is
+# safetensors'): a fixed-width placeholder, overwritten in place, so that nothing moves.
 _CRC_KEY, _CRC_DIGITS = b'"crc32":"', 10
 _PARTS = ("q", "d", "q5", "d5", "bf16", "i8q", "i8d")  # what a packed layer's packed_state holds
 
@@ -100,7 +100,7 @@ def save(model: CausalLM, path: Path, source: Path) -> bool:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         os.close(fd)
         save_file(state, tmp, metadata={**meta, "crc32": "?" * _CRC_DIGITS})
-        _stamp_crc(Path(tmp))
+        _stamp_crc(Path(tmp), state)
         # safetensors does not report a failed write (a full disk leaves a short file):
         # check the file as a start will before putting it in place.
         problem = _problem(Path(tmp), partial(_expected, model, model.quantization, model.dtype),
@@ -283,12 +283,21 @@ def _data_crc(path: Path, started: threading.Event | None = None) -> int:
             started.set()  # also where the file could not be mapped
 
 
-def _stamp_crc(path: Path) -> None:
-    """Write the CRC of the file's data over its header's placeholder."""
-    crc = _data_crc(path)
+def _stamp_crc(path: Path, state: Mapping[str, torch.Tensor]) -> None:
+    """Write over the header's placeholder the CRC of the tensors as they are in memory,
+    in the file's order: the check that follows reads the file back against it, so a
+    write that went wrong is caught before the file is put in place."""
     with open(path, "r+b") as fh:
-        (size,) = struct.unpack("<Q", fh.read(8))
-        at = fh.read(size).find(_CRC_KEY + b"?" * _CRC_DIGITS)
+        try:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            raw = fh.read(size)
+            header = {k: v for k, v in json.loads(raw).items() if k != "__metadata__"}
+        except (struct.error, ValueError) as err:
+            raise OSError(errno.EIO, f"the written header is unreadable ({err})") from err
+        crc = 0
+        for name in sorted(header, key=lambda n: header[n]["data_offsets"][0]):
+            crc = zlib.crc32(state[name].reshape(-1).view(torch.uint8).numpy(), crc)
+        at = raw.find(_CRC_KEY + b"?" * _CRC_DIGITS)
         if at < 0:
             raise OSError(errno.EIO, "the written header has no CRC placeholder")
         fh.seek(8 + at + len(_CRC_KEY))
