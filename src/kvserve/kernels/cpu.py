@@ -31,6 +31,7 @@ from kvserve.paths import default_cache_dir
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _isa_flags() -> list[str]:
@@ -40,7 +41,6 @@ def _isa_flags() -> list[str]:
     flags = cpu_flags()
     off = [] if "avx512f" in flags else ["-mno-avx512f"]
     return off + ([] if {"avx2", "fma"} <= flags else ["-mno-avx2", "-mno-fma"])
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _build(compiler: str, flags: list[str]) -> Path:
@@ -231,8 +231,8 @@ class CpuKernels:
         N, Kp = q.shape
         if K % 32 or Kp != -(-K // self.Q8_GROUP) * self.Q8_GROUP or d.shape != (N, Kp // 32):
             raise ValueError("q8_matmul: K a multiple of 32, and q, d from q8_pack for that K")
-        return QMatmul(self.lib.kvs_q8_matmul, "q8_matmul", q, _ptr(q, torch.int8), d,
-                       _ptr(d, torch.float32), N, K)
+        return QMatmul(self.lib.kvs_q8_matmul, "q8_matmul", (q, torch.int8),
+                       (d, torch.float32), N, K)
 
     Q5_GROUP_BYTES = 80  # a packed Q5_0 group of 128 weights: 64 nibble bytes + 16 of bits
 
@@ -277,8 +277,8 @@ class CpuKernels:
         groups = -(-K // self.Q8_GROUP)
         if K % 32 or q.shape != (N, groups * self.Q5_GROUP_BYTES) or d.shape != (N, groups * 4):
             raise ValueError("q5_matmul: K a multiple of 32, and q, d from q5_pack for that K")
-        return QMatmul(self.lib.kvs_q5_matmul, "q5_matmul", q, _ptr(q, torch.uint8), d,
-                       _ptr(d, torch.float16), N, K)
+        return QMatmul(self.lib.kvs_q5_matmul, "q5_matmul", (q, torch.uint8),
+                       (d, torch.float16), N, K)
 
     I8_LANES = 16  # i8matmul.c stores the weights of 16 output columns side by side
 
@@ -306,8 +306,8 @@ class CpuKernels:
         N = q.shape[0]
         if K % 32 or q.shape != (N, K) or N % self.I8_LANES or d.shape != (N, K // 32):
             raise ValueError("i8_matmul: K a multiple of 32, and q, d from i8_pack for that K")
-        return QMatmul(self.lib.kvs_i8_matmul, "i8_matmul", q, _ptr(q, torch.uint8), d,
-                       _ptr(d, torch.float32), N, K)
+        return QMatmul(self.lib.kvs_i8_matmul, "i8_matmul", (q, torch.uint8),
+                       (d, torch.float32), N, K)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """First index of each row's maximum, logits [B, V] contiguous -> int64 [B]."""
@@ -320,16 +320,16 @@ class CpuKernels:
 
 
 class QMatmul:
-    """kvs_q8_matmul, kvs_q5_matmul or kvs_i8_matmul bound to one packed weight (kept
-    alive here): x [M, K] float32 or bfloat16, unit stride in K -> x @ W.T [M, N] in x's
-    dtype. Why bound: a decode step of Gemma 3 270M makes 73 of these calls, and checking
-    the weight and converting the rows to and from float32 around each cost more than
-    the call itself (~15 us against ~13 us for o_proj at one row, on a 2-core Xeon)."""
+    """kvs_q8_matmul, kvs_q5_matmul or kvs_i8_matmul bound to one packed weight (its
+    blocks and scales, each with the dtype the kernel reads, kept alive here): x [M, K]
+    float32 or bfloat16, unit stride in K -> x @ W.T [M, N] in x's dtype. A layer binds
+    its weight once, so each of a decode step's 73 calls checks only x (a loop of o_proj
+    calls at one row: 5-10 us less a call; a whole step showed no change, docs)."""
 
-    def __init__(self, fn: Any, name: str, q: torch.Tensor, q_ptr: int, d: torch.Tensor,
-                 d_ptr: int, N: int, K: int) -> None:
-        self.fn, self.name, self.weight = fn, name, (q, d)
-        self.q_ptr, self.d_ptr, self.N, self.K = q_ptr, d_ptr, N, K
+    def __init__(self, fn: Any, name: str, q: tuple[torch.Tensor, torch.dtype],
+                 d: tuple[torch.Tensor, torch.dtype], N: int, K: int) -> None:
+        self.fn, self.name, self.weight = fn, name, (q[0], d[0])
+        self.q_ptr, self.d_ptr, self.N, self.K = _ptr(*q), _ptr(*d), N, K
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.K or x.stride(1) != 1 or x.dtype not in _DTYPES:
