@@ -103,9 +103,11 @@ def test_a_later_start_trusts_the_recorded_check_until_the_file_changes(tmp_path
     # A record whose stamp no longer matches the file is not trusted: hashed again.
     records = tmp_path / "kvserve" / registry._RECORDS
     size, mtime, digest = json.loads(records.read_text())[str(path)]
-    records.write_text(json.dumps({str(path): [size, mtime + 1, digest]}))
+    other = "/another/environment/model.gguf"  # a second venv sharing the cache
+    records.write_text(json.dumps({str(path): [size, mtime + 1, digest], other: [1, 2, "x"]}))
     monkeypatch.setattr(registry, "_VERIFIED", {})
     assert registry.packaged_path("gemma3-270m") == path and len(hashed) == 2
+    assert json.loads(records.read_text())[other] == [1, 2, "x"]  # kept beside the new one
     records.write_text("not json")  # a damaged record file costs a hash, nothing else
     monkeypatch.setattr(registry, "_VERIFIED", {})
     assert registry.packaged_path("gemma3-270m") == path and len(hashed) == 3

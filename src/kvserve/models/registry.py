@@ -121,8 +121,11 @@ def _stamp(path: Path) -> tuple[int, int]:
 
 
 def _remember(path: Path, digest: str) -> None:
+    """Record the check, beside the other files' records (another environment sharing the
+    cache has its package, and its file, elsewhere)."""
     _VERIFIED[path] = (_stamp(path), digest)
-    records = {str(p): [*stamp, d] for p, (stamp, d) in _VERIFIED.items()}
+    records = _records()
+    records[str(path)] = [*_VERIFIED[path][0], digest]
     file = default_cache_dir() / _RECORDS
     with suppress(OSError):  # a read-only cache only costs the next start the hash
         file.parent.mkdir(parents=True, exist_ok=True)
@@ -131,10 +134,18 @@ def _remember(path: Path, digest: str) -> None:
         os.replace(tmp, file)
 
 
+def _records() -> dict:
+    """The recorded checks, {} where there are none or the file is damaged."""
+    with suppress(OSError, ValueError):
+        records = json.loads((default_cache_dir() / _RECORDS).read_text())
+        if isinstance(records, dict):
+            return records
+    return {}
+
+
 def _recorded(path: Path) -> tuple[tuple[int, int], str] | None:
-    with suppress(OSError, ValueError, TypeError, KeyError):
-        size, mtime, digest = json.loads((default_cache_dir() / _RECORDS).read_text())[
-            str(path)]
+    with suppress(TypeError, ValueError):
+        size, mtime, digest = _records().get(str(path))
         return (int(size), int(mtime)), str(digest)
     return None
 
@@ -142,7 +153,9 @@ def _recorded(path: Path) -> tuple[tuple[int, int], str] | None:
 def verified_sha256(path: Path) -> str | None:
     """The sha256 a packaged model's package checked for this file (in this process or an
     earlier one), if it still is the file that was checked (size and mtime); else None."""
-    seen = _VERIFIED.get(path) or _recorded(path)
+    seen = _VERIFIED.get(path)
+    if seen is None and (seen := _recorded(path)) is not None:
+        _VERIFIED[path] = seen  # the loader asks again right after packaged_path
     try:
         return seen[1] if seen is not None and seen[0] == _stamp(path) else None
     except OSError:  # not there (yet)
