@@ -73,23 +73,24 @@ def feature_set() -> tuple[str, ...]:
     return tuple(f for f in RELEVANT if f in flags)
 
 
+# oneDNN computes bf16 natively with any one of these, or with all of the AVX-512 three.
+_BF16_ANY = ("avx512_bf16", "amx_bf16", "avx_ne_convert")
+_BF16_ALL = ("avx512bw", "avx512vl", "avx512dq")
+
+
 @functools.cache
 def bf16_native() -> bool:
     """Whether oneDNN computes bf16 matmuls natively here (else torch emulates them)."""
-    if masked() and not (BF16_FEATURES & cpu_flags()
-                         or {"avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()):
-        return False
+    flags = cpu_flags()
+    if masked() and not (flags & set(_BF16_ANY) or flags >= set(_BF16_ALL)):
+        return False  # (oneDNN itself still sees the whole CPU)
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-# Any one of these, or AVX-512 BW+VL+DQ together, gives oneDNN native bf16 (bf16_missing).
-BF16_FEATURES = frozenset({"avx512_bf16", "amx_bf16", "avx_ne_convert"})
 
 
 def bf16_missing() -> str:
     """Why bf16 is emulated here, for messages: the features oneDNN looks for."""
-    return ("this CPU has none of avx512_bf16, amx_bf16, avx_ne_convert or "
-            "avx512bw+avx512vl+avx512dq that native bfloat16 matmuls need")
+    return (f"this CPU has none of {', '.join(_BF16_ANY)} or {'+'.join(_BF16_ALL)} "
+            "that native bfloat16 matmuls need")
 
 
 def summary() -> str:
