@@ -22,8 +22,8 @@ COMMANDS = {
 
 
 # Commands that leave nothing to clean up: the console script ends their process without
-# the interpreter's teardown, which takes 0.5-0.6 s once torch is imported on the 2-core
-# VMs (`python -c "import torch"`: 2.1 s against 1.5 s ending with os._exit).
+# the interpreter's teardown, which took 0.4-0.7 s of `kvserve generate` with the engine
+# loaded on the 2-core VMs (docs/benchmarks.md, Start-up).
 QUICK_EXIT = {"generate"}
 
 
