@@ -130,7 +130,7 @@ def build_quantized(opened: OpenedModel, mode: str, dtype: torch.dtype) -> Causa
     if opened.entry is not None and mode in packed.MODES:
         path = packed.packed_file(opened.entry, mode, dtype)
         # In this order, the CRC runs on one core while the tokenizer's parse (which holds
-        # the GIL) runs on the other: -0.3 s of a warm start on the 2-core VMs.
+        # the GIL) runs on the other: most of the CRC's 0.3 s hidden on the 2-core VMs.
         crc = packed.data_crc_soon(path) if path.is_file() else None
         opened.tokenizer()
         model = packed.load(model_cls, config, path, mode, dtype, opened.entry / _WEIGHTS_FILE,
