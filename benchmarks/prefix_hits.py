@@ -8,11 +8,13 @@ Each row replays one trace through the simulator (real memory core and
 scheduler) per policy, and computes the infinite-pool bound and Belady's
 offline bound for jenga's pool (kvserve.sim.bounds), plain and with each
 running request's peak room kept free (`+peak`, prefill chunks of the
-scheduler's token budget or, if smaller, the chunk it gives loop misses).
+scheduler's token budget or, if smaller, the chunk it gives misses).
 `vs bound` is jenga's hit rate over the lower of the infinite and plain
-Belady bounds, `vs peak` over the peak bound. Both bounds admit requests in
-arrival order; the scheduler may reorder a backlog (KVCacheManager.can_start),
-so jenga can pass them under overload.
+Belady bounds, `vs peak` over the peak bound. `blind` is not a bound but what
+an online policy can expect on a shuffled trace: the peak bound's pool kept by
+each unit's remaining uses instead of its next one (`vs blind`: jenga over it).
+The bounds admit requests in arrival order; the scheduler may reorder a backlog
+(KVCacheManager.can_start), so jenga can pass them under overload.
 """
 
 from __future__ import annotations
@@ -45,11 +47,14 @@ def run_point(trace_spec: str, args: argparse.Namespace) -> dict:
         # Hits at each request's first admission (re-admissions after preemption excluded).
         row[policy] = sum(r.cached_tokens for r in res.requests) / sum(r.prompt_len for r in trace)
         row[f"{policy}_belady"] = belady(trace, sim.kv.pool_bytes, hit_bytes(sim.kv), 16)
-        # The scheduler prefills loop misses in chunks of LOOP_MISS_CHUNK: the bound
+        # The scheduler prefills misses in chunks of MISS_CHUNK: the bound
         # takes that chunk for every request, so no request here peaks below it.
-        chunk = min(cfg.batched_tokens, sim.kv.LOOP_MISS_CHUNK)
+        chunk = min(cfg.batched_tokens, sim.kv.MISS_CHUNK)
         row[f"{policy}_peak"] = belady(trace, sim.kv.pool_bytes, hit_bytes(sim.kv), 16,
                                        peak_bytes(sim.kv, chunk))
+        if policy == "jenga":
+            row["jenga_blind"] = belady(trace, sim.kv.pool_bytes, hit_bytes(sim.kv), 16,
+                                        peak_bytes(sim.kv, chunk), order_blind=True)
         row[f"{policy}_pool_gb"] = sim.kv.pool_bytes / 1e9
     row["bound"] = min(row["infinite"], row["jenga_belady"])
     return row
@@ -58,13 +63,15 @@ def run_point(trace_spec: str, args: argparse.Namespace) -> dict:
 def print_row(row: dict, header: bool) -> None:
     if header:
         print(f"{'trace':<58}{'uniform':>8}{'jenga':>8}{'ratio':>7}{'inf':>8}"
-              f"{'belady':>8}{'vs bound':>9}{'+peak':>8}{'vs peak':>9}")
+              f"{'belady':>8}{'vs bound':>9}{'+peak':>8}{'vs peak':>9}{'blind':>8}{'vs blind':>9}")
     ratio = row["jenga"] / row["uniform"] if row["uniform"] else float("inf")
     vs = row["jenga"] / row["bound"] if row["bound"] else 1.0
     vs_peak = row["jenga"] / row["jenga_peak"] if row["jenga_peak"] else 1.0
+    vs_blind = row["jenga"] / row["jenga_blind"] if row["jenga_blind"] else 1.0
     print(f"{row['trace']:<58}{row['uniform']:>8.1%}{row['jenga']:>8.1%}{ratio:>7.2f}"
           f"{row['infinite']:>8.1%}{row['jenga_belady']:>8.1%}{vs:>9.1%}"
-          f"{row['jenga_peak']:>8.1%}{vs_peak:>9.1%}", flush=True)
+          f"{row['jenga_peak']:>8.1%}{vs_peak:>9.1%}{row['jenga_blind']:>8.1%}"
+          f"{vs_blind:>9.1%}", flush=True)
 
 
 def traces(args: argparse.Namespace) -> list[str]:

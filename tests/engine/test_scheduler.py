@@ -73,7 +73,7 @@ def test_only_a_prefix_that_is_most_of_the_prompt_is_waited_for():
 def test_a_loop_miss_prefills_in_the_memory_cores_chunks():
     swa = KVSpec("swa", LayerKind.SLIDING, 1, 8, window=8)  # smaller steps lower its peak
     kv = KVCacheManager([FULL, swa], T * 8 * 128, tokens_per_page=T)
-    kv.LOOP_MISS_CHUNK = 12
+    kv.MISS_CHUNK = 12
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
     looked_up = kv.lookup
 
@@ -114,7 +114,7 @@ def _loop_misses(kv: KVCacheManager, rids: set[str]) -> None:
 def test_can_start_judges_a_loop_miss_by_its_whole_step_not_its_chunk():
     swa = KVSpec("swa", LayerKind.SLIDING, 1, 8, window=8)
     kv = KVCacheManager([FULL, swa], T * 8 * 128, tokens_per_page=T)
-    kv.LOOP_MISS_CHUNK = 12
+    kv.MISS_CHUNK = 12
     _loop_misses(kv, {"a"})
     asked, can_start = [], kv.can_start
     kv.can_start = lambda rid, n: asked.append((rid, n)) or can_start(rid, n)
@@ -140,7 +140,7 @@ def test_a_loop_miss_last_in_the_queue_waits_while_another_prefills_only_without
     swa = KVSpec("swa", LayerKind.SLIDING, 1, 8, window=8)
     for pages, expect in [(60, [["a"]] * 4 + [["a", "b"]]), (200, [["a", "b"]])]:
         kv = KVCacheManager([FULL, swa], T * 8 * pages, tokens_per_page=T)
-        kv.LOOP_MISS_CHUNK = 16  # "a" prefills 64 tokens in four steps
+        kv.MISS_CHUNK = 16  # "a" prefills 64 tokens in four steps
         _loop_misses(kv, {"a", "b"})
         sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
         sched.add(_request("a", 64))

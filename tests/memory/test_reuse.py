@@ -490,21 +490,43 @@ def test_a_request_taken_back_after_lookup_leaves_its_hit_pages_keys_alone():
 
 def test_a_loop_miss_prefills_in_small_chunks_only_while_the_queue_is_short():
     mgr = make(200)
-    mgr.LOOP_MISS_CHUNK = 8
+    mgr.MISS_CHUNK = 8
     _looked_up(mgr, "a", [100 + i for i in range(64)], loop=True, gap=3)
     assert mgr.max_chunk("a", waiting=mgr.SHORT_QUEUE) == 8
     assert mgr.max_chunk("a", waiting=mgr.SHORT_QUEUE + 1) is None  # a backlog: full steps
     b = _looked_up(mgr, "b", [300 + i for i in range(64)])
-    assert mgr.max_chunk("b", waiting=0) is None  # not in a loop
+    assert mgr.max_chunk("b", waiting=0) is None  # not in a loop, and 200 pages are free
     b.loop, b.num_hit = True, 32  # a loop member that hit half its prompt: not a miss
     assert mgr.max_chunk("b", waiting=0) is None
     for rid in "ab":
         mgr.abort(rid)
     full = make(200, specs=(FULL,))  # no window: smaller steps lower no peak
-    full.LOOP_MISS_CHUNK = 8
+    full.MISS_CHUNK = 8
     _looked_up(full, "a", [100 + i for i in range(64)], loop=True, gap=3)
     assert full.max_chunk("a", waiting=0) is None
     full.abort("a")
+
+
+def test_another_miss_prefills_in_small_chunks_only_where_one_step_would_evict_hits():
+    for pages, capped in ((200, False), (60, True)):
+        mgr = make(pages)
+        mgr.MISS_CHUNK = 8
+        serve(mgr, "a", ARTICLE + [500 + i for i in range(40)])  # 35 live pages, 17 dead
+        mgr.begin_step()
+        _looked_up(mgr, "b", [300 + i for i in range(64)])
+        # No prompt has shared a prefix yet: the cache has served no hit to keep.
+        assert mgr.max_chunk("b", waiting=0) is None
+        mgr.abort("b")
+        assert serve(mgr, "q2", ARTICLE + [600, 601, 602]) == 64  # a second question hits
+        mgr.begin_step()
+        b = _looked_up(mgr, "b", [300 + i for i in range(64)])
+        assert not b.loop and b.num_hit == 0
+        # In one step b peaks at 16 full + 16 sliding pages: within the free pages of
+        # 200, above the free and dead ones of 60, where it would evict live pages.
+        assert mgr.max_chunk("b", waiting=mgr.SHORT_QUEUE) == (8 if capped else None)
+        assert mgr.max_chunk("b", waiting=mgr.SHORT_QUEUE + 1) is None
+        mgr.abort("b")
+        check_invariants(mgr)
 
 
 def _conversation(mgr: KVCacheManager, turns: list[tuple[int, int]], start: int = 0,

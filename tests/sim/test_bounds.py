@@ -42,3 +42,21 @@ def test_bounds_are_ordered(units, capacity):
     trace = _trace(units)
     plain = belady(trace, capacity, tokens)
     assert belady(trace, capacity, tokens, peak=tokens) <= plain <= infinite_pool(trace)
+
+
+def test_the_order_blind_reference_keeps_the_unit_used_most_from_now_on():
+    trace = _trace([0, 1, 0, 0, 1, 1, 1])
+    total = sum(r.prompt_len for r in trace)
+    # Room for one unit. MIN keeps 0 for its two uses right after (4 hits); ranked by
+    # uses left, 1 (three) beats 0 (two), so both of 0's come back to nothing (3).
+    assert belady(trace, 64, tokens) == 4 * 64 / total
+    assert belady(trace, 64, tokens, order_blind=True) == 3 * 64 / total
+
+
+@settings(max_examples=40, deadline=None)
+@given(units=st.lists(st.integers(0, 5), min_size=1, max_size=30),
+       capacity=st.integers(0, 600))
+def test_knowing_when_beats_knowing_how_often(units, capacity):
+    # Units of one size: MIN is optimal, so no ranking of them hits more.
+    trace = _trace(units)
+    assert belady(trace, capacity, tokens, order_blind=True) <= belady(trace, capacity, tokens)

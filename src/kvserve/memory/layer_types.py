@@ -106,6 +106,9 @@ class ReusePoints:
         self.T = block
         self.limit = limit
         self.marks: dict[Hashable, None] = {}
+        # Hits on a prefix that is not where some request stopped: prompts sharing a
+        # prefix, not a conversation's next turn or a preempted request coming back.
+        self.branched = 0
         # Prefixes finished requests had (blocks 1, 2, 4, .. SAMPLE/2, every SAMPLE-th
         # and the sequence end, so any prefix has one at least half as long) -> that
         # request's arrival, the gap (in arrivals) after which it had come back (0:

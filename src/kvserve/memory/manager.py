@@ -241,6 +241,7 @@ class KVCacheManager:
         if q:
             pe = self.reuse.ends.get(r.hashes[q - 1])
             if pe is None:
+                self.reuse.branched += 1
                 self.reuse.mark(r.hashes[q - 1])
             else:  # r continues a finished request's sequence
                 for m in self.managers:
@@ -510,32 +511,39 @@ class KVCacheManager:
         waits.pop(req_id, None)
         return True
 
-    # A loop miss prefills at most this many tokens a step while the queue is short:
-    # at most SHORT_QUEUE others wait. 2, not 4: Jamba 1.5 Mini, 32 articles
-    # round-robin at 4/s, 15.1% -> 19.2% (its queue stays short, and the cap slowed
-    # it), Gemma 3 shuffled 32 at 4/s 53.4% -> 54.9%; Gemma 3's 1/s loops keep the
-    # cap's gain but for 0.9 points at two of them (docs/benchmarks.md).
-    LOOP_MISS_CHUNK = 2048
+    # A miss prefills at most this many tokens a step while the queue is short: at
+    # most SHORT_QUEUE others wait. 2, not 4: Jamba 1.5 Mini, 32 articles round-robin
+    # at 4/s, 15.1% -> 19.2% (its queue stays short, and the cap slowed it), Gemma 3
+    # shuffled 32 at 4/s 53.4% -> 54.9%; Gemma 3's 1/s loops keep the cap's gain but
+    # for 0.9 points at two of them (docs/benchmarks.md).
+    MISS_CHUNK = 2048
     SHORT_QUEUE = 2
 
     def max_chunk(self, req_id: RequestId, waiting: int) -> int | None:
         """The most prompt tokens the request may compute this step (None: the step's
         budget), with `waiting` requests queued.
 
-        A loop miss's prefill evicts for its peak, and what it evicts is the set
-        that keeps hitting; in 2048-token chunks a 20K-token prompt peaks at a
-        fifth of the sliding-window pages (and of the Mamba checkpoints taken
-        inside one step). That costs steps, so only where a smaller step lowers
-        some spec's peak, and only while few requests wait: with a backlog, the
-        budget is what clears it (and the reordered backlog is where its hits
-        come from). Gemma 3 12B, 32 articles round-robin, 1/s: 18.9% -> 38.9%
-        of prompt tokens (mean TTFT 0.57 -> 0.41 s); at 4/s unchanged (55.6%
-        -> 55.4%), where a cap at every queue length cost 12 points.
+        A miss's prefill evicts for its peak; in 2048-token chunks a 20K-token
+        prompt peaks at a fifth of the sliding-window pages (and of the Mamba
+        checkpoints taken inside one step). That costs steps, so only where a
+        smaller step lowers some spec's peak, and only while few requests wait:
+        with a backlog, the budget is what clears it (and the reordered backlog is
+        where its hits come from). A loop miss is capped so regardless of the room
+        (what it would evict is the set that keeps hitting): Gemma 3 12B, 32
+        articles round-robin, 1/s, 18.9% -> 38.9% of prompt tokens (mean TTFT 0.57
+        -> 0.41 s); at 4/s unchanged (55.6% -> 55.4%), where a cap at every queue
+        length cost 12 points. Another miss is capped only where its prefill in
+        one step would not fit in free and dead pages, i.e. would evict cache that
+        can still hit, and once prompts have shared a prefix (the cache serves
+        hits): 32 articles shuffled, 1/s, 40.9% -> 48.8%. Capping it regardless
+        cost 4.5 points at 8192-token steps, 32 round-robin, 4/s; before any shared
+        hit, Ministral's unshared long documents lost decode batch (5.44 -> 5.34,
+        3.88 -> 3.39) to steps and preemptions that protected nothing.
         """
         r = self._req(req_id)
-        if waiting > self.SHORT_QUEUE or not _loop_miss(r):
+        if waiting > self.SHORT_QUEUE or r.num_hit >= r.prompt_len // 2:
             return None
-        chunk = self.LOOP_MISS_CHUNK
+        chunk = self.MISS_CHUNK
         rest, n = len(r.tokens) - r.num_computed, len(r.tokens)
         # The peak of a step of the rest: a window held from before counts (a step of
         # all n tokens and one that ends there hold the same window).
@@ -543,6 +551,8 @@ class KVCacheManager:
                 m.peak_pages(n, chunk, r.images) == m.peak_pages(n, rest, r.images)
                 for m in self.managers):
             return None  # smaller steps would lower no spec's peak (no window in the way)
+        if not r.loop and (not self.reuse.branched or self._fits([r], rest, DEAD + 1)):
+            return None  # all of it at once evicts nothing that hits
         return chunk
 
     def _miss_fits(self, r: RequestKV, chunk: int) -> bool:

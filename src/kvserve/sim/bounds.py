@@ -18,7 +18,14 @@
   that room beside its cache at that moment, more with requests running
   together, so this is the tighter ceiling where prompts are long.
 
-Both count as the simulator does: hit tokens over prompt tokens at each
+- `belady` with `order_blind`: not a bound but a reference for shuffled
+  traces, where MIN's knowledge of *when* each unit comes back is what no
+  online policy has. Units are kept by how many more times they will be
+  used (known), not when: the fewest remaining uses go first. On a trace
+  whose order is random this is about the best an online policy can expect;
+  on a loop (every unit used as often) it keeps an arbitrary set.
+
+All count as the simulator does: hit tokens over prompt tokens at each
 request's first lookup, a hit of at most (prompt_len - 1) // T blocks.
 """
 
@@ -91,20 +98,23 @@ def peak_bytes(kv: KVCacheManager, chunk: int) -> Callable[[int], int]:
 
 
 def belady(trace: Sequence[TraceRequest], capacity: int, size: Callable[[int], int],
-           T: int = 16, peak: Callable[[int], int] | None = None) -> float:
+           T: int = 16, peak: Callable[[int], int] | None = None,
+           order_blind: bool = False) -> float:
     """The hit rate of offline MIN over prefix units in `capacity` bytes (see module doc);
-    with `peak`, each request's own peak room is kept free while it runs."""
+    with `peak`, each request's own peak room is kept free while it runs; with
+    `order_blind`, units are ranked by their remaining uses instead of their next one."""
     ordered = sorted(trace, key=lambda r: r.arrival)
     hits = _hits(ordered, T)
     nxt: list[int] = [len(ordered)] * len(ordered)  # next request of the same unit
+    left: list[int] = [0] * len(ordered)  # later requests of the same unit
     last: dict[str, int] = {}
-    for i, tr in enumerate(ordered):
+    for i, tr in reversed(list(enumerate(ordered))):
         if tr.prefix_id is not None:
             if tr.prefix_id in last:
-                nxt[last[tr.prefix_id]] = i
+                nxt[i], left[i] = last[tr.prefix_id], left[last[tr.prefix_id]] + 1
             last[tr.prefix_id] = i
-    cached: dict[str, tuple[int, int]] = {}  # unit -> (next use, bytes)
-    heap: list[tuple[int, str]] = []  # (-next use, unit), stale entries skipped
+    cached: dict[str, tuple[int, int]] = {}  # unit -> (rank, bytes)
+    heap: list[tuple[int, str]] = []  # (rank, unit), lowest first out; stale entries skipped
     used = got = 0
     for i, tr in enumerate(ordered):
         u = tr.prefix_id  # None: shares nothing, but takes room while it runs
@@ -121,12 +131,13 @@ def belady(trace: Sequence[TraceRequest], capacity: int, size: Callable[[int], i
             extra = peak(tr.prompt_len - hits[i] * hit + tr.output_len)
             extra = max(0, extra - (0 if hit else need))
         if j < len(ordered) and need + extra <= capacity:
-            cached[u] = (j, need)
+            rank = left[i] if order_blind else -j  # fewest uses left / furthest next use
+            cached[u] = (rank, need)
             used += need
-            heapq.heappush(heap, (-j, u))
+            heapq.heappush(heap, (rank, u))
         while used + extra > capacity and heap:
-            neg, v = heapq.heappop(heap)
-            if cached.get(v, (None,))[0] == -neg:
+            rank, v = heapq.heappop(heap)
+            if cached.get(v, (None,))[0] == rank:
                 used -= cached.pop(v)[1]
     total = sum(r.prompt_len for r in ordered)
     return got / total if total else 0.0
