@@ -146,3 +146,17 @@ def test_odd_state_pages_are_padded_to_the_token_pages():
     with pytest.raises(ValueError, match="unreasonable"):
         make_layout([KVSpec("a", LayerKind.FULL, 1, 1009),
                      KVSpec("b", LayerKind.FULL, 1, 1013)], tokens_per_page=1)
+
+
+def test_a_state_page_is_padded_to_a_large_page_of_its_own_where_that_costs_little():
+    # Jamba 1.5 Mini: a 8,716,288 B state (28 layers) and 262,144 B token pages share
+    # 2^16 only; their LCM is 4 states or 133 token pages, so either type would take
+    # room from the other four states at a time. 2.2% more makes the state 34 pages.
+    full = KVSpec("full", LayerKind.FULL, 4, 4096)
+    state = KVSpec("mamba", LayerKind.MAMBA, 28, 311_296, checkpoint_every=512)
+    layout = make_layout([full, state], tokens_per_page=16)
+    assert layout.page_bytes == (262_144, 34 * 262_144) == (262_144, layout.large_page_bytes)
+    # Where rounding up would cost more than a sixteenth of the state, the LCM stays.
+    small = KVSpec("mamba", LayerKind.MAMBA, 1, 3 * 1024, checkpoint_every=16)
+    layout = make_layout([KVSpec("full", LayerKind.FULL, 1, 128), small], tokens_per_page=16)
+    assert layout.page_bytes == (2048, 3072) and layout.large_page_bytes == 6144

@@ -103,7 +103,7 @@ def make_layout(
     page_bytes: Sequence[int] | None = None,
 ) -> Layout:
     """Build the two-level layout; refuse an unreasonable LCM, after padding fixed-size
-    state pages (`_padded_states`) where that makes it reasonable."""
+    state pages (`_padded_states`) where that makes it reasonable or costs little."""
     specs = tuple(specs)
     if not specs:
         raise ValueError("at least one KV spec is needed")
@@ -117,9 +117,11 @@ def make_layout(
         s.page_bytes(tokens_per_page) for s in specs
     )
     large = math.lcm(*sizes)
-    if page_bytes is None and not _reasonable(sizes, large):
-        sizes = _padded_states(specs, sizes)
-        large = math.lcm(*sizes)
+    if page_bytes is None:
+        padded = _padded_states(specs, sizes)
+        if not _reasonable(sizes, large) or _cheap(sizes, padded):
+            sizes = padded
+            large = math.lcm(*sizes)
     _check_lcm(specs, sizes, large)
     return Layout(specs, tokens_per_page, sizes, large)
 
@@ -134,6 +136,19 @@ def _padded_states(specs: tuple[KVSpec, ...], sizes: tuple[int, ...]) -> tuple[i
     unit = math.lcm(*others)
     return tuple(-(-b // unit) * unit if s.kind is LayerKind.MAMBA else b
                  for s, b in zip(specs, sizes))
+
+
+# Padding a state page costs at most this share of it where the plain LCM is reasonable.
+# Jamba 1.5 Mini: 8,716,288 B states and 262,144 B token pages tile a 34.9 MB large
+# page of 4 states or 133 token pages, so either type takes room from the other four
+# states at a time; padded by 2.2% to 34 token pages, a state is a large page, and
+# jenga's hits at 32 articles shuffled, 1/s, went from 52.0% to 65.9%.
+CHEAP_STATE_PADDING = 1 / 16
+
+
+def _cheap(sizes: Sequence[int], padded: Sequence[int]) -> bool:
+    return padded != tuple(sizes) and all(
+        (p - b) <= p * CHEAP_STATE_PADDING for b, p in zip(sizes, padded))
 
 
 def _reasonable(sizes: Sequence[int], large: int) -> bool:
