@@ -52,6 +52,9 @@ def _run_fig10():
     full = KVSpec("full", LayerKind.FULL, 1, 64)
     swa = KVSpec("swa", LayerKind.SLIDING, 1, 64, window=2)
     mgr = KVCacheManager([full, swa], pool_bytes=64 * 32, tokens_per_page=1)
+    # The paper keeps generated tokens' pages by recency: kvserve does once some request
+    # has continued a finished one (before that they go first: test_reuse.py).
+    mgr.reuse.continued = 1
     A, B, C, D, E, F, G, H = range(1, 9)
     r1 = [A, B, C, D]
     mgr.begin_step()  # step 1: request 1's prefill ABCD -> E

@@ -529,6 +529,24 @@ def test_another_miss_prefills_in_small_chunks_only_where_one_step_would_evict_h
         check_invariants(mgr)
 
 
+def test_answers_go_first_until_a_conversation_continues():
+    mgr = make(200)
+    serve(mgr, "a", ARTICLE + [500, 501, 502], out=6)  # 16 prompt blocks, 2 of answer
+    full = mgr.alloc.specs[0]
+    key = {full.plen[p] // T: full.last[p] for p, h in enumerate(full.hash) if h}
+    assert key[17] == key[18] == DEAD  # blocks past the prompt: only a next turn hits them
+    assert key[16] == mgr.now != DEAD
+    assert mgr.reuse.continued == 0
+    # A next turn sends the answer back: its hit continues "a", and from then on
+    # answers are cached like the rest.
+    turn = ARTICLE + [500, 501, 502] + [900 + i for i in range(6)] + list(range(600, 608))
+    assert serve(mgr, "b", turn) == 72
+    assert mgr.reuse.continued == 1
+    assert {full.last[p] for p, h in enumerate(full.hash) if h and full.plen[p] > 76} \
+        == {mgr.now}
+    check_invariants(mgr)
+
+
 def _conversation(mgr: KVCacheManager, turns: list[tuple[int, int]], start: int = 0,
                   between=None) -> list[int]:
     """Serve a conversation: each turn's prompt is the previous turn's whole sequence and a
@@ -572,6 +590,7 @@ def test_conversations_keep_every_hit_that_room_allows(turns, other, split):
     serves a hit afterwards: retiring a finished prompt's end windows never takes a window
     a mark or a sequence end needs."""
     mgr = make(2000)
+    mgr.reuse.continued = 1  # conversations were seen: answers stay cached by recency
     # A branch inside turn 0's prompt, before its sequence end. (A branch at a sequence
     # end is taken for the conversation's next turn: the window there is DEAD once that
     # request leaves it, and a second continuation from there pays a miss.)

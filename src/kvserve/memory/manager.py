@@ -246,6 +246,8 @@ class KVCacheManager:
             else:  # r continues a finished request's sequence
                 for m in self.managers:
                     m.retire(r, q, pe)
+            if q < p and (pe is not None or self.reuse.is_turn(r, q)):
+                self.reuse.continued += 1  # not a preempted request coming back whole
         d = min((m.longest_hit(r, p) for m in self._full), default=0)
         if d > q:
             self.reuse.mark(r.hashes[d - 1])
