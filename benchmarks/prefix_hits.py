@@ -46,15 +46,14 @@ def run_point(trace_spec: str, args: argparse.Namespace) -> dict:
         res = sim.run(trace)
         # Hits at each request's first admission (re-admissions after preemption excluded).
         row[policy] = sum(r.cached_tokens for r in res.requests) / sum(r.prompt_len for r in trace)
-        row[f"{policy}_belady"] = belady(trace, sim.kv.pool_bytes, hit_bytes(sim.kv), 16)
+        pool, size = sim.kv.pool_bytes, hit_bytes(sim.kv)
+        row[f"{policy}_belady"] = belady(trace, pool, size, 16)
         # The scheduler prefills misses in chunks of MISS_CHUNK: the bound
         # takes that chunk for every request, so no request here peaks below it.
-        chunk = min(cfg.batched_tokens, sim.kv.MISS_CHUNK)
-        row[f"{policy}_peak"] = belady(trace, sim.kv.pool_bytes, hit_bytes(sim.kv), 16,
-                                       peak_bytes(sim.kv, chunk))
+        peak = peak_bytes(sim.kv, min(cfg.batched_tokens, sim.kv.MISS_CHUNK))
+        row[f"{policy}_peak"] = belady(trace, pool, size, 16, peak)
         if policy == "jenga":
-            row["jenga_blind"] = belady(trace, sim.kv.pool_bytes, hit_bytes(sim.kv), 16,
-                                        peak_bytes(sim.kv, chunk), order_blind=True)
+            row["jenga_blind"] = belady(trace, pool, size, 16, peak, order_blind=True)
         row[f"{policy}_pool_gb"] = sim.kv.pool_bytes / 1e9
     row["bound"] = min(row["infinite"], row["jenga_belady"])
     return row

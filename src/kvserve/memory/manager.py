@@ -543,7 +543,7 @@ class KVCacheManager:
         3.88 -> 3.39) to steps and preemptions that protected nothing.
         """
         r = self._req(req_id)
-        if waiting > self.SHORT_QUEUE or r.num_hit >= r.prompt_len // 2:
+        if waiting > self.SHORT_QUEUE or not _miss(r):
             return None
         chunk = self.MISS_CHUNK
         rest, n = len(r.tokens) - r.num_computed, len(r.tokens)
@@ -781,9 +781,14 @@ class KVCacheManager:
         return out
 
 
+def _miss(r: RequestKV) -> bool:
+    """A request that hit less than half its prompt."""
+    return r.num_hit < r.prompt_len // 2
+
+
 def _loop_miss(r: RequestKV) -> bool:
-    """A loop member that hit less than half its prompt."""
-    return r.loop and r.num_hit < r.prompt_len // 2
+    """A loop member that missed."""
+    return r.loop and _miss(r)
 
 
 def _common_blocks(a: list[int], b: list[int], lo: int) -> int:
