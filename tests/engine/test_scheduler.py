@@ -149,3 +149,39 @@ def test_a_loop_miss_last_in_the_queue_waits_while_another_prefills_only_without
         # so "b" waits although nothing is behind it; 200: both fit side by side.
         steps = [_step(sched) for _ in expect]
         assert steps == expect
+
+
+DOC = list(range(40))
+
+
+def _queue(max_num_seqs: int, budget: int, cached: bool) -> Scheduler:
+    """x and y (nothing cached) queued before q (the 40-token DOC and 5 more); with
+    `cached`, a request that read DOC ran to its first token first."""
+    kv = KVCacheManager([FULL], T * 8 * 64, tokens_per_page=T)
+    sched = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    if cached:
+        d = _shared("d", DOC, 3)
+        sched.add(d)
+        while d.num_computed < d.num_prompt:
+            _step(sched)
+        sched.finish(d)
+    for req in [_request("x", 12), _request("y", 12), _shared("q", DOC, 5)]:
+        sched.add(req)
+    return sched
+
+
+def test_requests_whose_prefix_is_cached_go_first():
+    sched = _queue(max_num_seqs=8, budget=16, cached=True)
+    assert _step(sched) == ["q", "x"]  # q computes 5 tokens; "y" does not fit the step
+    assert sched.running[0].num_cached_tokens == 40
+    assert [r.request_id for r in sched.waiting] == ["y"]
+
+
+def test_preempted_requests_first_and_arrival_order_where_nothing_is_cached():
+    sched = _queue(max_num_seqs=2, budget=64, cached=True)
+    back = _request("p", 8)
+    back.admitted = True  # preempted: _preempt put it back first, and there it stays
+    sched.waiting.appendleft(back)
+    assert _step(sched) == ["p", "q"]
+    sched = _queue(max_num_seqs=2, budget=64, cached=False)
+    assert _step(sched) == ["x", "y"]

@@ -102,9 +102,11 @@ def test_mamba_hits_only_at_checkpoints():
     assert len(mgr.block_tables("a")["ssm"]) == 1  # one live state
     mgr.finish("a")
     assert mgr.alloc.specs[1].n_evictable == 2  # checkpoints at 32 and 64
+    assert mgr.cached_prefix(list(range(70)) + [5], []) == 64  # nothing taken
     mgr.add_request("b", list(range(70)) + [5])
     assert mgr.lookup("b") == 64
     assert mgr.pending_copies("b", "ssm")[0][0] == 0  # restore from the checkpoint
+    assert mgr.cached_prefix(list(range(60)), []) == 32
     mgr.add_request("c", list(range(60)))
     assert mgr.lookup("c") == 32
 
@@ -206,3 +208,18 @@ def test_hit_counters_count_an_admission_once():
     assert (mgr.stats().queried_tokens, mgr.stats().hit_tokens) == (100, 0)
     assert run_prefill(mgr, "c", list(range(100))) == 96
     assert (mgr.stats().queried_tokens, mgr.stats().hit_tokens) == (200, 96)
+
+
+def test_cached_prefix_counts_what_a_lookup_would_take_images_included():
+    T = 4
+    specs = [KVSpec("self", LayerKind.FULL, 1, 16), KVSpec("cross", LayerKind.CROSS, 1, 16)]
+    mgr = KVCacheManager(specs, 64 * 1024, tokens_per_page=T)
+    cat = ImageInput("cat", offset=0, num_tokens=10)
+    run_prefill(mgr, "a", list(range(1, 10)), [cat])
+    mgr.finish("a")
+    tokens, hashes = list(range(1, 9)) + [50, 51], []
+    assert mgr.cached_prefix(tokens, hashes, [cat]) == 8
+    assert len(hashes) == 2  # kept for the next call
+    assert mgr.cached_prefix(tokens, [], [ImageInput("dog", 0, 10)]) == 0  # other hashes
+    mgr.add_request("b", tokens, [cat])
+    assert mgr.lookup("b") == 8

@@ -233,7 +233,9 @@ def test_eviction_takes_the_lowest_keys_first(pages, ops):
         tokens = bases[base][:keep] + [9000 + i] * (tail + 1)
         mgr.begin_step()
         mgr.add_request(i, tokens)
+        could = mgr.cached_prefix(tokens, [])  # what the scheduler sorts the queue by
         hit = mgr.lookup(i)
+        assert hit == could
         before, plen = _evictable(mgr), _plens(mgr)
         if not mgr.allocate_slots(i, len(tokens) - hit):
             mgr.abort(i)

@@ -92,6 +92,7 @@ class Request:
     first_token_time: float | None = None
     sent_text: int = 0  # streaming: characters / output tokens already reported
     sent_tokens: int = 0
+    block_hashes: list[int] = field(default_factory=list)  # of the prompt, for the scheduler
 
     def __post_init__(self) -> None:
         if not self.token_ids:

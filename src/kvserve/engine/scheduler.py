@@ -108,8 +108,33 @@ class Scheduler:
         limit = self.kv.max_chunk(req.request_id, waiting)
         return n if limit is None else min(n, limit)
 
+    # Longest cached prefix first (SGLang's "lpm" policy) while at most this many
+    # wait; past it, arrival order (the sort looks up every queued prompt each step).
+    LPM_MAX = 128
+
+    def _order_waiting(self) -> None:
+        """Preempted requests first (they were running), then the longest prefix the
+        cache holds now, then arrival. A question queued on a cached document starts
+        before misses that would evict it, and questions that queued on a document a
+        miss is computing start together once it is cached. Gemma 3 12B (simulator):
+        400 ShareGPT conversations at 2/s, 17.7% -> 21.1% of prompt tokens hit; 32
+        articles shuffled at 4/s, 54.8% -> 56.9%, mean TTFT 3.28 -> 2.44 s. Without a
+        backlog it is arrival order (docs/benchmarks.md)."""
+        n = len(self.waiting)
+        if n < 2 or n > self.LPM_MAX:
+            return
+        cached = self.kv.cached_prefix
+
+        def key(r: Request) -> tuple[int, int, int]:
+            if r.admitted:
+                return 0, 0, r.seq
+            return 1, -cached(r.prompt_token_ids, r.block_hashes, r.images), r.seq
+
+        self.waiting = deque(sorted(self.waiting, key=key))
+
     def _admit_waiting(self, batch: list[Scheduled], budget: int) -> list[Request]:
         failed = []
+        self._order_waiting()
         i = 0  # requests before i were told to wait by the memory core: skip them
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
@@ -134,6 +159,7 @@ class Scheduler:
                     continue
                 break
             del self.waiting[i]
+            req.block_hashes = []  # only the queue's order needed them
             if not req.admitted:  # the first admission, not a resumed preemption
                 req.num_cached_tokens = hit
                 req.admitted = True

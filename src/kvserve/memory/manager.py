@@ -252,6 +252,18 @@ class KVCacheManager:
         if d > q:
             self.reuse.mark(r.hashes[d - 1])
 
+    def cached_prefix(self, tokens: Sequence[int], hashes: list[int],
+                      images: Sequence[ImageInput] = ()) -> int:
+        """Tokens of the longest prefix of tokens (less its last) every spec could
+        serve now from either tier, nothing taken; `hashes` keeps the block hashes
+        between calls (the scheduler asks each step while a request waits)."""
+        if not self.enable_caching:
+            return 0
+        extend_block_hashes(hashes, tokens, self.T, images)
+        r = RequestKV(None, tokens, tuple(images), hashes=hashes)
+        p = (len(tokens) - 1) // self.T
+        return self._longest_common_hit(r, p, tiers=self.host is not None) * self.T
+
     def _longest_common_hit(self, r: RequestKV, p: int, tiers: bool = False) -> int:
         """Intersect every spec's possible prefixes: shrink p to a fixed point.
         With `tiers`, a block counts as cached on the device or in the host tier."""
