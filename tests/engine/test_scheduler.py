@@ -185,3 +185,22 @@ def test_preempted_requests_first_and_arrival_order_where_nothing_is_cached():
     assert _step(sched) == ["p", "q"]
     sched = _queue(max_num_seqs=2, budget=64, cached=False)
     assert _step(sched) == ["x", "y"]
+
+
+def test_a_request_that_more_than_lpm_max_others_passed_goes_by_arrival():
+    kv = KVCacheManager([FULL], T * 8 * 64, tokens_per_page=T)
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=64)
+    sched.LPM_MAX = 2
+    d = _shared("d", DOC, 3)
+    sched.add(d)
+    while d.num_computed < d.num_prompt:
+        _step(sched)
+    sched.finish(d)
+    sched.add(_request("x", 12))  # a miss, queued behind nothing
+    started = []
+    for i in range(4):  # a question on the cached document arrives at every step
+        sched.add(_shared(f"q{i}", DOC, 5))
+        started += _step(sched)
+        sched.finish(sched.running[0])
+    # Each question hit and went first, until three had started since x queued.
+    assert started == ["q0", "q1", "q2", "x"]

@@ -93,6 +93,7 @@ class Request:
     sent_text: int = 0  # streaming: characters / output tokens already reported
     sent_tokens: int = 0
     block_hashes: list[int] = field(default_factory=list)  # of the prompt, for the scheduler
+    queued_at: int = 0  # the scheduler's first admissions when it was queued
 
     def __post_init__(self) -> None:
         if not self.token_ids:

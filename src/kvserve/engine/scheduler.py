@@ -59,10 +59,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_added = 0
+        self.num_started = 0  # first admissions: how long a queued request has waited
         self.lender: Lender | None = None
 
     def add(self, req: Request) -> None:
         req.seq = self.num_added
+        req.queued_at = self.num_started
         self.num_added += 1
         self.waiting.append(req)
 
@@ -110,25 +112,29 @@ class Scheduler:
 
     # Longest cached prefix first (SGLang's "lpm" policy) while at most this many
     # wait; past it, arrival order (the sort looks up every queued prompt each step).
+    # A request this many first admissions have passed goes by arrival too.
     LPM_MAX = 128
 
     def _order_waiting(self) -> None:
-        """Preempted requests first (they were running), then the longest prefix the
-        cache holds now, then arrival. A question queued on a cached document starts
-        before misses that would evict it, and questions that queued on a document a
-        miss is computing start together once it is cached. Gemma 3 12B (simulator):
-        400 ShareGPT conversations at 2/s, 17.7% -> 21.1% of prompt tokens hit; 32
-        articles shuffled at 4/s, 54.8% -> 56.9%, mean TTFT 3.28 -> 2.44 s. Without a
-        backlog it is arrival order (docs/benchmarks.md)."""
+        """Preempted requests first (they were running), then those that waited
+        while LPM_MAX others started (by arrival: none waits forever behind hits),
+        then the longest prefix the cache holds now, then arrival. A question queued
+        on a cached document starts before misses that would evict it, and questions
+        that queued on a document a miss is computing start together once it is
+        cached. Gemma 3 12B (simulator): 400 ShareGPT conversations at 2/s, 17.7% ->
+        21.1% of prompt tokens hit; 32 articles shuffled at 4/s, 54.8% -> 56.9%, mean
+        TTFT 3.28 -> 2.44 s. Without a backlog it is arrival order."""
         n = len(self.waiting)
         if n < 2 or n > self.LPM_MAX:
             return
-        cached = self.kv.cached_prefix
+        cached, late = self.kv.cached_prefix, self.num_started - self.LPM_MAX
 
         def key(r: Request) -> tuple[int, int, int]:
             if r.admitted:
                 return 0, 0, r.seq
-            return 1, -cached(r.prompt_token_ids, r.block_hashes, r.images), r.seq
+            if r.queued_at < late:
+                return 1, 0, r.seq
+            return 2, -cached(r.prompt_token_ids, r.block_hashes, r.images), r.seq
 
         self.waiting = deque(sorted(self.waiting, key=key))
 
@@ -161,6 +167,7 @@ class Scheduler:
             del self.waiting[i]
             req.block_hashes = []  # only the queue's order needed them
             if not req.admitted:  # the first admission, not a resumed preemption
+                self.num_started += 1
                 req.num_cached_tokens = hit
                 req.admitted = True
             req.num_computed = hit
