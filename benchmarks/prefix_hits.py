@@ -26,31 +26,49 @@ import sys
 from kvserve.sim.bounds import belady, hit_bytes, infinite_pool, peak_bytes
 from kvserve.sim.gpus import get_gpu
 from kvserve.sim.models import get_model
-from kvserve.sim.simulator import SimConfig, Simulator
-from kvserve.sim.traces import load_trace
+from kvserve.sim.simulator import SimConfig, SimResult, Simulator
+from kvserve.sim.traces import TraceRequest, load_trace
 
 POLICIES = ("uniform", "jenga")
+
+
+def simulate(trace: list[TraceRequest], policy: str,
+             args: argparse.Namespace) -> tuple[Simulator, SimResult, float]:
+    """Replay trace under one policy with the options `add_sim_arguments` defines;
+    the hit rate counts each request's first admission (not re-admissions after
+    preemption) over every prompt token of the trace."""
+    model = get_model(args.model)
+    cfg = SimConfig(model, get_gpu(args.gpu), policy=policy,
+                    fp8_weights=args.gpu in model.fp8_gpus,  # the paper's Table 1
+                    max_model_len=args.max_model_len,
+                    gpu_utilization=args.gpu_utilization, mem_every=1 << 30,
+                    max_num_batched_tokens=args.max_num_batched_tokens)
+    sim = Simulator(cfg)
+    res = sim.run(trace)
+    hit = sum(r.cached_tokens for r in res.requests) / sum(r.prompt_len for r in trace)
+    return sim, res, hit
+
+
+def add_sim_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="gemma-3-12b")
+    ap.add_argument("--gpu", default="h100")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--gpu-utilization", type=float, default=0.9)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the step's token budget (default: the simulator's, vLLM v0's "
+                         "max(max_model_len, 2048); vLLM v1 serves with 8192 on an H100)")
 
 
 def run_point(trace_spec: str, args: argparse.Namespace) -> dict:
     trace = load_trace(trace_spec)
     row: dict = {"trace": trace_spec, "infinite": infinite_pool(trace, 16)}
     for policy in POLICIES:
-        model = get_model(args.model)
-        cfg = SimConfig(model, get_gpu(args.gpu), policy=policy,
-                        fp8_weights=args.gpu in model.fp8_gpus,  # the paper's Table 1
-                        max_model_len=args.max_model_len,
-                        gpu_utilization=args.gpu_utilization, mem_every=1 << 30,
-                        max_num_batched_tokens=args.max_num_batched_tokens)
-        sim = Simulator(cfg)
-        res = sim.run(trace)
-        # Hits at each request's first admission (re-admissions after preemption excluded).
-        row[policy] = sum(r.cached_tokens for r in res.requests) / sum(r.prompt_len for r in trace)
+        sim, _, row[policy] = simulate(trace, policy, args)
         pool, size = sim.kv.pool_bytes, hit_bytes(sim.kv)
         row[f"{policy}_belady"] = belady(trace, pool, size, 16)
         # The scheduler prefills misses in chunks of MISS_CHUNK: the bound
         # takes that chunk for every request, so no request here peaks below it.
-        peak = peak_bytes(sim.kv, min(cfg.batched_tokens, sim.kv.MISS_CHUNK))
+        peak = peak_bytes(sim.kv, min(sim.cfg.batched_tokens, sim.kv.MISS_CHUNK))
         row[f"{policy}_peak"] = belady(trace, pool, size, 16, peak)
         if policy == "jenga":
             row["jenga_blind"] = belady(trace, pool, size, 16, peak, order_blind=True)
@@ -85,13 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload", choices=["arxiv", "chat"])
-    ap.add_argument("--model", default="gemma-3-12b")
-    ap.add_argument("--gpu", default="h100")
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--gpu-utilization", type=float, default=0.9)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="the step's token budget (default: the simulator's, vLLM v0's "
-                         "max(max_model_len, 2048); vLLM v1 serves with 8192 on an H100)")
+    add_sim_arguments(ap)
     ap.add_argument("--articles", type=int, nargs="+", default=[2, 4, 8, 12, 16, 32, 64])
     ap.add_argument("--orders", nargs="+", default=["round_robin", "shuffled"])
     ap.add_argument("--rates", type=float, nargs="+", default=[1.0, 4.0])
