@@ -140,7 +140,8 @@ class Scheduler:
 
     def _admit_waiting(self, batch: list[Scheduled], budget: int) -> list[Request]:
         failed = []
-        self._order_waiting()
+        if budget > 0 and len(self.running) < self.max_num_seqs:  # else none starts
+            self._order_waiting()
         i = 0  # requests before i were told to wait by the memory core: skip them
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
