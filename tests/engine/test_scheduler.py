@@ -154,17 +154,22 @@ def test_a_loop_miss_last_in_the_queue_waits_while_another_prefills_only_without
 DOC = list(range(40))
 
 
+def _cache_doc(sched: Scheduler) -> None:
+    """A request that reads DOC runs to its first token and finishes: DOC is cached."""
+    d = _shared("d", DOC, 3)
+    sched.add(d)
+    while d.num_computed < d.num_prompt:
+        _step(sched)
+    sched.finish(d)
+
+
 def _queue(max_num_seqs: int, budget: int, cached: bool) -> Scheduler:
     """x and y (nothing cached) queued before q (the 40-token DOC and 5 more); with
-    `cached`, a request that read DOC ran to its first token first."""
+    `cached`, DOC is cached first."""
     kv = KVCacheManager([FULL], T * 8 * 64, tokens_per_page=T)
     sched = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
     if cached:
-        d = _shared("d", DOC, 3)
-        sched.add(d)
-        while d.num_computed < d.num_prompt:
-            _step(sched)
-        sched.finish(d)
+        _cache_doc(sched)
     for req in [_request("x", 12), _request("y", 12), _shared("q", DOC, 5)]:
         sched.add(req)
     return sched
@@ -191,11 +196,7 @@ def test_a_request_that_more_than_lpm_max_others_passed_goes_by_arrival():
     kv = KVCacheManager([FULL], T * 8 * 64, tokens_per_page=T)
     sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=64)
     sched.LPM_MAX = 2
-    d = _shared("d", DOC, 3)
-    sched.add(d)
-    while d.num_computed < d.num_prompt:
-        _step(sched)
-    sched.finish(d)
+    _cache_doc(sched)
     sched.add(_request("x", 12))  # a miss, queued behind nothing
     started = []
     for i in range(4):  # a question on the cached document arrives at every step
