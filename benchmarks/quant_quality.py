@@ -20,7 +20,7 @@ from kvserve.cpu_features import bf16_native, summary
 from kvserve.datasets.sharegpt import load_conversations
 from kvserve.models import Gemma3ForCausalLM, load_model_files
 from kvserve.models.attention_ref import sequence_logits
-from kvserve.models.quant import Q5Linear, vnni
+from kvserve.models.quant import Q5Linear, Q8Bf16Linear, Q8I8Linear, vnni
 
 VARIANTS = {
     "none (float32)": dict(quantization="none"),
@@ -41,6 +41,11 @@ VARIANTS = {
     # q8+bf16 with one kind of projection taking q8+int8's copies: what each costs alone.
     **{f"q8+bf16 + int8 blocks in {kind}": dict(quantization="q8+bf16", int8_in=kind)
        for kind in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")},
+    # The head's two batch copies side by side, whichever serves_i8_head picks here: int8
+    # blocks on both sides (VNNI), or the bf16 copy (the AMX kind's, where it is the tied
+    # embedding itself).
+    "q8+bf16, int8-block head": dict(quantization="q8+bf16", head="i8"),
+    "q8+bf16, bf16 head": dict(quantization="q8+bf16", head="bf16"),
     # Tried for the AMX kind's batch head, not kept: oneDNN's int8 GEMM (cpu_linears.py),
     # activations with one scale for all or one per row.
     "q8+bf16, oneDNN int8 head, one scale": dict(quantization="q8+bf16", head="onednn"),
@@ -84,6 +89,12 @@ def main() -> None:
         m.quantize(kw["quantization"])
         if kw.get("head") == "q5":
             m.quant_head = Q5Linear(m.model.embed_tokens.weight)
+        elif kw.get("head") == "i8":
+            if not vnni():
+                continue
+            m.quant_head = Q8I8Linear(m.model.embed_tokens.weight)
+        elif kw.get("head") == "bf16":
+            m.quant_head = Q8Bf16Linear(m.model.embed_tokens.weight)
         elif kw.get("head", "").startswith("onednn"):
             m.quant_head = onednn_int8_linear(m.model.embed_tokens.weight.float(),
                                               per_row=kw["head"].endswith("rows"))

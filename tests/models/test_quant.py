@@ -153,6 +153,21 @@ def test_q8_int8_is_refused_without_vnni() -> None:
         resolve_quantization("q8+int8", CPU, GGUF_TYPES)
 
 
+@pytest.mark.parametrize(("flags", "i8_in"), [
+    ({"avx2", "avx512_vnni"}, {"q8", "q8+bf16", "q8+int8"}),
+    ({"avx2", "avx512_vnni", "amx_bf16"}, {"q8", "q8+int8"}),  # q8+bf16: its bf16 copy
+    ({"avx2"}, set()),
+])
+def test_the_head_takes_int8_blocks_where_they_are_the_fastest_batch_copy(
+        monkeypatch: pytest.MonkeyPatch, flags: set[str], i8_in: set[str]) -> None:
+    import kvserve.models.quant as quant
+
+    monkeypatch.setattr(quant, "cpu_flags", lambda: frozenset(flags))
+    for mode in ("q8", "q8+bf16", "q8+int8"):
+        assert serves_i8_head(mode, 262144) == (mode in i8_in)
+        assert not serves_i8_head(mode, 262144 + 8)  # i8matmul.c takes 16 columns at a time
+
+
 def test_bad_choices_are_refused_up_front() -> None:
     with pytest.raises(ValueError, match="unknown quantization"):
         resolve_quantization("int3", CPU, GGUF_TYPES)

@@ -43,7 +43,7 @@ from safetensors.torch import load_file, save_file
 from kvserve.kernels.cpu import CpuKernels
 from kvserve.models.base import CausalLM, ModelConfig, _no_init
 from kvserve.models.layers import Linear
-from kvserve.models.quant import from_packed, layer_mode, serves_q5, vnni
+from kvserve.models.quant import from_packed, layer_mode, serves_i8_head, serves_q5
 
 FORMAT = 2  # bump when what the file holds changes (2: the CRC in file order)
 MODES = ("q8", "q8+bf16", "q8+int8")
@@ -224,7 +224,8 @@ def _metadata(mode: str, dtype: torch.dtype, source: Path) -> dict[str, str]:
     st = source.stat()
     return {"kvserve_packed": str(FORMAT), "q8_layout": str(CpuKernels.Q8_LAYOUT),
             "mode": mode, "dtype": str(dtype), "source": f"{st.st_size}:{st.st_mtime_ns}",
-            "q5": str(int(serves_q5())), "i8_head": str(int(vnni()))}
+            "q5": str(int(serves_q5())),
+            "i8_head": str(int(serves_i8_head(mode, CpuKernels.I8_LANES)))}
 
 
 def _problem(path: Path, expected: Callable[[set[str]], Mapping[str, Spec]],
