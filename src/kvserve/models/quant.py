@@ -436,11 +436,11 @@ def serves_i8_head(mode: str, out_features: int) -> bool:
     Q8_0 weights stay exact; bf16 rounds them); up to 16 rows the int16 activations keep
     98.89% where int8 ones had 98.47% (docs/benchmarks.md). Two copies, 2.25 bytes a
     weight, against q8+bf16's Q8_0 copy and oneDNN's blocked bf16 one (3.125). With AMX,
-    oneDNN's bf16 tiles pass the int8 blocks from 5 rows (a 2-core Xeon: 13.5 against the
-    int16 kernel's 15.9 ms at 8 rows, 18.8 against 21.5 at 32) and q8+bf16's bf16 copy of
-    a tied head is the embedding table the model holds anyway: the head's int8 copy (168
-    MB for Gemma 3 270M) goes, batch 32 runs 4-8% faster and agreement stays (98.68%
-    against 98.83%, perplexity 7.945 against 7.949)."""
+    q8+bf16 keeps its own split instead (Q8_0 up to 4 rows, oneDNN's bf16 tiles above):
+    Gemma 3 270M's head on a 2-core Xeon, interleaved calls, 14.6 against 30.7 ms at 16
+    rows (where the int8-block head still runs Q8_0), 18.7 against 28.2 at 64, level at 8
+    and 32 (13.8 / 13.8, 16.9 / 17.7); agreement stays (98.68% against 98.83%, perplexity
+    7.945 against 7.949), for 146 MB more (oneDNN's blocked copy against the int8 one)."""
     if mode == "q8+bf16" and "amx_bf16" in cpu_flags():
         return False
     return mode.startswith("q8") and vnni() and out_features % CpuKernels.I8_LANES == 0
