@@ -549,6 +549,28 @@ def test_answers_go_first_until_a_conversation_continues():
     check_invariants(mgr)
 
 
+def test_a_state_checkpoint_past_the_prompt_goes_first_until_a_conversation_continues():
+    """Mamba's sequence-end checkpoint serves a next turn only, as the answer's pages."""
+    state = KVSpec("mamba", LayerKind.MAMBA, 1, PAGE, checkpoint_every=2 * T)
+    mgr = make(200, (FULL, state))
+    sp = mgr.alloc.specs[1]
+
+    def keys() -> dict[int, int]:
+        return {sp.plen[p] // T: sp.last[p] for p, h in enumerate(sp.hash) if h}
+
+    serve(mgr, "a", ARTICLE + [500, 501, 502], out=6)  # ends at block 18, prompt at 16
+    assert keys()[18] == DEAD and keys()[16] == mgr.now
+    turn = ARTICLE + [500, 501, 502] + [900 + i for i in range(6)] + list(range(600, 608))
+    assert serve(mgr, "b", turn) == 72  # continues "a": from now on answers count
+    assert mgr.reuse.continued == 1
+    c = list(range(2000, 2067))
+    serve(mgr, "c", c, out=6)
+    hashes: list[int] = []
+    extend_block_hashes(hashes, c + [900 + i for i in range(6)], T)
+    assert sp.last[sp.cached[hashes[17]]] == mgr.now  # "c"'s sequence end: kept by recency
+    check_invariants(mgr)
+
+
 def _conversation(mgr: KVCacheManager, turns: list[tuple[int, int]], start: int = 0,
                   between=None) -> list[int]:
     """Serve a conversation: each turn's prompt is the previous turn's whole sequence and a

@@ -576,9 +576,12 @@ class MambaState(SpecManager):
 
     def free_all(self, r: RequestKV, now: int) -> None:
         # The sequence end is a reuse point: the checkpoint a hit there would use stays.
+        # Past the prompt it serves only a next turn, so, as TextStream's answer pages,
+        # only once some request has continued a finished one.
         q = r.num_computed // self.T
         q -= q % self._every()
-        if q and self.reuse is not None and q <= len(r.hashes):
+        answer = q > r.prompt_len // self.T and not (self.reuse and self.reuse.continued)
+        if q and self.reuse is not None and q <= len(r.hashes) and not answer:
             pid = self.alloc.specs[self.s].cached.get(r.hashes[q - 1])
             if pid is not None:
                 r.kept.setdefault(self.s, []).append((pid, r.hashes[q - 1]))
