@@ -580,8 +580,8 @@ class MambaState(SpecManager):
         # only once some request has continued a finished one.
         q = r.num_computed // self.T
         q -= q % self._every()
-        answer = q > r.prompt_len // self.T and not (self.reuse and self.reuse.continued)
-        if q and self.reuse is not None and q <= len(r.hashes) and not answer:
+        if q and self.reuse is not None and q <= len(r.hashes) and (
+                q <= r.prompt_len // self.T or self.reuse.continued):
             pid = self.alloc.specs[self.s].cached.get(r.hashes[q - 1])
             if pid is not None:
                 r.kept.setdefault(self.s, []).append((pid, r.hashes[q - 1]))
