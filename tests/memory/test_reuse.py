@@ -455,6 +455,28 @@ def test_a_loop_miss_waits_while_another_loop_miss_computes_its_prompt(stop):
     check_invariants(mgr)
 
 
+def test_with_a_backlog_loop_misses_run_one_at_a_time():
+    mgr = make(200)  # room for both: only the backlog makes "b" wait
+    a = _looked_up(mgr, "a", [100 + i for i in range(64)], loop=True, gap=3)
+    assert mgr.allocate_slots("a", 64)
+    mgr.advance("a", 64)  # "a" has computed its prompt: it decodes now
+    b = _looked_up(mgr, "b", [300 + i for i in range(64)], loop=True, gap=3)
+    short = mgr.SHORT_QUEUE
+    assert not mgr.waits_for_running("b", 64, waiting=short + 1)  # a short prompt runs
+    mgr.LONG_PROMPT = 32  # 64 tokens count as a document from here on
+    assert not mgr.waits_for_running("b", 64, waiting=short)  # no backlog: both run
+    assert mgr.waits_for_running("b", 64, waiting=short + 1)
+    b.loop = False  # other traffic does not wait for loop misses
+    assert not mgr.waits_for_running("b", 64, waiting=short + 1)
+    b.loop, a.num_hit = True, 64  # "a" hit its prompt: not a loop miss
+    assert not mgr.waits_for_running("b", 64, waiting=short + 1)
+    a.num_hit = 0
+    mgr.finish("a")
+    assert not mgr.waits_for_running("b", 64, waiting=short + 1)  # "a" has left
+    mgr.abort("b")
+    check_invariants(mgr)
+
+
 def test_two_loop_misses_that_both_fit_prefill_side_by_side():
     mgr = make(70)  # 54 free pages: both peaks (48) fit
     _looked_up(mgr, "a", [100 + i for i in range(64)], loop=True, gap=3)

@@ -152,7 +152,7 @@ class Scheduler:
             # the last one in the queue starts anyway, so the engine never idles
             # (unless it waits for a running request: KVCacheManager.waits_for_running).
             # It judges by the step's whole budget, not by a chunk it limits below it.
-            if (self.kv.waits_for_running(req.request_id, step)
+            if (self.kv.waits_for_running(req.request_id, step, len(self.waiting) - 1)
                     or i + 1 < len(self.waiting) and not self.kv.can_start(req.request_id, step)):
                 self.kv.abort(req.request_id)
                 i += 1

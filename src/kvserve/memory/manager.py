@@ -470,10 +470,11 @@ class KVCacheManager:
         else:
             self.computing.pop(r.req_id, None)
 
-    def waits_for_running(self, req_id: RequestId, num_new_tokens: int) -> bool:
-        """After lookup: whether the request should wait for a running request that
-        computes its prompt, even last in the queue (the engine does not idle: the
-        other one runs). Two cases:
+    def waits_for_running(self, req_id: RequestId, num_new_tokens: int,
+                          waiting: int = 0) -> bool:
+        """After lookup: whether the request should wait for a running request, even
+        last in the queue (the engine does not idle: the other one runs), with
+        `waiting` others queued. Three cases:
 
         - most of its prompt is being computed right now: a step or a few later it
           hits that prefix instead of computing it a second time beside it (two
@@ -486,10 +487,26 @@ class KVCacheManager:
           32 Gemma 3 articles round-robin, 8192-token steps, this took 1/s from
           59.8% to 62.5% and 4/s from 43.1% to 51.8%, with lower TTFT (p99 1.9 ->
           1.0 s and 41 -> 22 s): misses compute less. Where they fit (short
-          prompts), waiting would only leave the step's budget unused.
+          prompts), waiting would only leave the step's budget unused;
+        - it is a loop miss over a document (more than LONG_PROMPT tokens), more
+          than SHORT_QUEUE others wait, and another loop miss runs, prefilling or
+          decoding: with a backlog, such loop misses go one at a time, whether or
+          not their peaks fit. Each holds a whole document's pages to its end and,
+          once finished, is the loop's first victim, so two at once cost the set
+          that keeps hitting a document more; the hits queued behind start
+          meanwhile. Gemma 3 12B at 4/s: 32 articles round-robin 56.3% -> 65.2%,
+          shuffled 56.9% -> 66.4%, 64 articles 51.4% -> 58.9% and 58.5% -> 64.5%
+          (docs/benchmarks.md has the TTFT it costs). Without a backlog (1/s) it
+          rarely applies, and shorter prompts (chat turns) are left out: there the
+          wait lasted whole answers (from 2,048 tokens up: ShareGPT chat, 200
+          sessions at 2/s, 21.0% -> 20.6% with a higher TTFT; with no length
+          limit 25.3% for 5x the mean TTFT).
         """
         r = self._req(req_id)
         if _loop_miss(r):
+            if waiting > self.SHORT_QUEUE and r.prompt_len > self.LONG_PROMPT and any(
+                    o is not r and o.num_computed and _loop_miss(o) for o in self.reqs.values()):
+                return True
             others = [o for o in self.computing.values() if o is not r and _loop_miss(o)]
             if others and not self._fits([r, *others], num_new_tokens, DEAD + 1):
                 return True
@@ -524,6 +541,10 @@ class KVCacheManager:
                 return False
         waits.pop(req_id, None)
         return True
+
+    # A loop miss over more tokens than this waits for another loop miss to leave while
+    # there is a backlog (waits_for_running): documents, not chat turns.
+    LONG_PROMPT = 8192
 
     # A miss prefills at most this many tokens a step while the queue is short: at
     # most SHORT_QUEUE others wait. 2, not 4: Jamba 1.5 Mini, 32 articles round-robin
