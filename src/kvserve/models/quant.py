@@ -237,6 +237,12 @@ def vnni() -> bool:
     return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
 
 
+def amx() -> bool:
+    """Whether this CPU has AMX's bf16 tiles, on which oneDNN runs q8+bf16's bf16 copies
+    (fast from a few rows: Q8Bf16Linear.SMALL, serves_i8_head)."""
+    return "amx_bf16" in cpu_flags()
+
+
 class I8Linear(BlockLinear):
     """Both sides in int8 blocks of 32 (llama.cpp's Q8_0 x Q8_0, kernels/i8matmul.c): the
     weights rounded as Q8_0 once, each activation block of 32 at every call, products summed
@@ -314,7 +320,7 @@ class Q8Bf16Linear(SplitLinear):
     # With AMX, oneDNN's bf16 tiles pass the kernel from 5-8 rows (a 2-core Xeon, Gemma 3
     # 270M's shapes, cpu_linears.py: at 8 rows qkv 0.068 vs 0.118 ms, down 0.099 vs 0.163,
     # head 13.2 vs 13.2; at 4 the kernel still wins or ties: head 8.3 vs 13.0 ms).
-    SMALL = 4 if "amx_bf16" in cpu_flags() else 16
+    SMALL = 4 if amx() else 16
 
     def __init__(self, weight: torch.Tensor, small: Q5Linear | None = None) -> None:
         self.q8 = small or Q8Linear(weight)  # a Q5_0 weight's own blocks
@@ -441,7 +447,7 @@ def serves_i8_head(mode: str, out_features: int) -> bool:
     rows (where the int8-block head still runs Q8_0), 18.7 against 28.2 at 64, level at 8
     and 32 (13.8 / 13.8, 16.9 / 17.7); agreement stays (98.68% against 98.83%, perplexity
     7.945 against 7.949), for 146 MB more (oneDNN's blocked copy against the int8 one)."""
-    if mode == "q8+bf16" and "amx_bf16" in cpu_flags():
+    if mode == "q8+bf16" and amx():
         return False
     return mode.startswith("q8") and vnni() and out_features % CpuKernels.I8_LANES == 0
 
