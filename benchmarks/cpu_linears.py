@@ -9,7 +9,8 @@ int8 blocks of 32 through VNNI: q8+int8 above 16 rows); fbgemm fp16 and dynamic 
 --quantization fp16/int8 run); our Q8_0 and Q5_0 kernels (q8, q5: what q8 serves a GGUF's
 Q5_0 tensors with);
 torch's weight-only `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (group 32);
-oneDNN's int8 GEMM (`onednn int8`, AMX where the CPU has it; activations a scale per row).
+oneDNN's int8 GEMM (`onednn int8`, AMX where the CPU has it; activations a scale per row), and
+the same with 128 input channels taken out to a bf16 GEMM (`onednn int8 + 128 bf16`).
 Prints ms per call (best of --rounds, candidates interleaved so that a busy machine slows
 them alike) with the ratio to float32 and to fbgemm fp16, and the CPU it ran on.
 """
@@ -55,23 +56,37 @@ def int8pack_linear(w: torch.Tensor):
     return lambda x: torch.ops.aten._weight_int8pack_mm(x, w8, scale)
 
 
-def onednn_int8_linear(w: torch.Tensor, per_row: bool = True):
+def onednn_int8_linear(w: torch.Tensor, per_row: bool = True,
+                       outliers: torch.Tensor | None = None):
     """oneDNN's int8 GEMM (AMX tiles where the CPU has them): the weight int8 per output
     row; the activations with one scale for all (what qlinear takes) or, per_row, one per
-    row, passed as 1 and applied to the output. Tried for the AMX kind's head, not kept
-    (docs/benchmarks.md: quality)."""
-    scale = w.abs().amax(1).clamp(min=1e-12) / 127
-    packed = torch.ops.onednn.qlinear_prepack((w / scale[:, None]).round().to(torch.int8),
-                                              [32, w.shape[1]])
+    row, passed as 1 and applied to the output. `outliers`: input channels taken out of
+    the int8 GEMM and multiplied in bf16 (oneDNN's packed weight), the result added
+    (LLM.int8()'s decomposition). Tried for the AMX kind's head, not kept
+    (docs/benchmarks.md: quality, speed)."""
+    keep = torch.ones(w.shape[1], dtype=torch.bool)
+    if outliers is not None:
+        keep[outliers] = False
+        wo = pack_weight(w[:, outliers].bfloat16().contiguous())
+    wi = w[:, keep]
+    scale = wi.abs().amax(1).clamp(min=1e-12) / 127
+    packed = torch.ops.onednn.qlinear_prepack((wi / scale[:, None]).round().to(torch.int8),
+                                              [32, wi.shape[1]])
     zeros = torch.zeros(w.shape[0], dtype=torch.long)
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         x = x.float()
-        s = (x.abs().amax(-1, keepdim=True) if per_row else x.abs().amax()).clamp(min=1e-12) / 127
+        xi = x[:, keep] if outliers is not None else x
+        s = (xi.abs().amax(-1, keepdim=True) if per_row else xi.abs().amax()).clamp(min=1e-12) / 127
         y = torch.ops.onednn.qlinear_pointwise(
-            torch.round(x / s).to(torch.int8), 1.0 if per_row else float(s), 0, packed, scale,
+            torch.round(xi / s).to(torch.int8), 1.0 if per_row else float(s), 0, packed, scale,
             zeros, None, 1.0, 0, torch.bfloat16, "none", [], "")
-        return y.mul_(s.to(y.dtype)) if per_row else y
+        if per_row:
+            y.mul_(s.to(y.dtype))
+        if outliers is not None:
+            y += torch.ops.mkldnn._linear_pointwise(x[:, outliers].bfloat16(), wo, None, "none",
+                                                    [], "")
+        return y
     return linear
 
 
@@ -99,6 +114,9 @@ MAKERS = {
     "bf16 packed": bf16_packed_linear,
     "int8 blocks": i8_linear,
     "onednn int8": onednn_int8_linear,
+    # the same with the first 128 input channels in bf16 (in the model: the 128 largest of
+    # the final norm's gains; which ones does not change the speed)
+    "onednn int8 + 128 bf16": lambda w: onednn_int8_linear(w, outliers=torch.arange(128)),
     "fbgemm fp16": lambda w: quantized(w, "fp16"),
     "fbgemm int8": lambda w: quantized(w, "int8"),
     "q8": lambda w: quantized(w, "q8"),

@@ -51,6 +51,12 @@ VARIANTS = {
     "q8+bf16, oneDNN int8 head, one scale": dict(quantization="q8+bf16", head="onednn"),
     "q8+bf16, oneDNN int8 head, a scale per row": dict(quantization="q8+bf16",
                                                        head="onednn rows"),
+    # ... and with the input channels of the 128 largest final-norm gains in bf16
+    # (LLM.int8()'s decomposition), one activation scale or one per row.
+    "q8+bf16, oneDNN int8 head + 128 bf16 channels, one scale": dict(
+        quantization="q8+bf16", head="onednn outliers"),
+    "q8+bf16, oneDNN int8 head + 128 bf16 channels, a scale per row": dict(
+        quantization="q8+bf16", head="onednn outliers rows"),
     "fp16 (all linears + head)": dict(quantization="fp16"),
     "int8 (all linears + head)": dict(quantization="int8"),
 }
@@ -96,8 +102,10 @@ def main() -> None:
         elif kw.get("head") == "bf16":
             m.quant_head = Q8Bf16Linear(m.model.embed_tokens.weight)
         elif kw.get("head", "").startswith("onednn"):
-            m.quant_head = onednn_int8_linear(m.model.embed_tokens.weight.float(),
-                                              per_row=kw["head"].endswith("rows"))
+            gain = m.model.norm.factor().float()
+            m.quant_head = onednn_int8_linear(
+                m.model.embed_tokens.weight.float(), per_row=kw["head"].endswith("rows"),
+                outliers=gain.abs().topk(128).indices if "outliers" in kw["head"] else None)
         if kw.get("int8_in"):
             if not vnni():
                 continue
