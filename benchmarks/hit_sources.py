@@ -22,16 +22,16 @@ hit tokens as a share of all prompt tokens (the kinds add up to the hit rate).
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 
 from prefix_hits import add_sim_arguments, simulate
 
-from kvserve.sim.traces import load_trace
+from kvserve.sim.simulator import RequestRecord
+from kvserve.sim.traces import TraceRequest, load_trace
 
 KINDS = ("first", "queued or prefilling", "decoding", "done")
 
 
-def kind(prev, arrival: float) -> str:  # noqa: ANN001 - a RequestRecord or None
+def kind(prev: RequestRecord | None, arrival: float) -> str:
     if prev is None:
         return "first"
     if prev.first_token is None or prev.first_token > arrival:
@@ -41,7 +41,8 @@ def kind(prev, arrival: float) -> str:  # noqa: ANN001 - a RequestRecord or None
     return "done"
 
 
-def sources(trace: list, records: dict) -> dict[str, list[float]]:
+def sources(trace: list[TraceRequest],
+            records: dict[str, RequestRecord]) -> dict[str, list[float]]:
     """kind -> [requests, hits, hit tokens over all prompt tokens]."""
     out: dict[str, list[float]] = {k: [0, 0, 0.0] for k in KINDS}
     last: dict[str, str] = {}
@@ -63,7 +64,7 @@ def main() -> None:
     add_sim_arguments(ap)
     args = ap.parse_args()
     trace = load_trace(args.trace)
-    rows = defaultdict(dict)
+    rows: dict[str, dict[str, list[float]]] = {}
     for policy in ("uniform", "jenga"):
         _, res, hit = simulate(trace, policy, args)
         rows[policy] = sources(trace, {r.id: r for r in res.requests})
