@@ -225,6 +225,7 @@ def _metadata(mode: str, dtype: torch.dtype, source: Path) -> dict[str, str]:
     return {"kvserve_packed": str(FORMAT), "q8_layout": str(CpuKernels.Q8_LAYOUT),
             "mode": mode, "dtype": str(dtype), "source": f"{st.st_size}:{st.st_mtime_ns}",
             "q5": str(int(serves_q5())),
+            # the rule for this CPU and mode, asked of a width the int8 kernel always takes
             "i8_head": str(int(serves_i8_head(mode, CpuKernels.I8_LANES)))}
 
 
