@@ -35,6 +35,17 @@ def test_the_peak_bound_keeps_each_running_requests_room_free():
     assert belady(trace, 10**9, tokens, peak=tokens) == fits
 
 
+def test_a_request_holds_its_room_whether_or_not_its_unit_stays_cached():
+    trace = _trace([0, 1, 0, 1])
+    # While the second request runs it holds its 76 tokens (72 of prompt, 4 out) beside
+    # unit 0's 64: 140 > 130. Keeping unit 1 cached would overlap its room, but MIN drops
+    # unit 1 (needed last), and the request still holds all 76 until it ends, so unit 0
+    # cannot stay either (counting only the 12 beyond unit 1's bytes kept it). With room
+    # for both beside that request, both hit.
+    assert belady(trace, 130, tokens, peak=tokens) == 0.0
+    assert belady(trace, 140, tokens, peak=tokens) == 2 * 64 / sum(r.prompt_len for r in trace)
+
+
 @settings(max_examples=40, deadline=None)
 @given(units=st.lists(st.integers(0, 5), min_size=1, max_size=30),
        capacity=st.integers(0, 600))

@@ -12,11 +12,12 @@
   With units of different sizes MIN is a heuristic rather than a proof, but
   with no running requests and no timing it is the ceiling we compare to.
 - `belady` with `peak`: the same, but the requests run one at a time and
-  each holds, while it runs, the pages computing its uncached tokens takes
-  at its peak (`peak_bytes`: for a sliding window the window plus a
-  prefill chunk, the whole chunk being written at once). Any policy needs
-  that room beside its cache at that moment, more with requests running
-  together, so this is the tighter ceiling where prompts are long.
+  each holds, while it runs, the pages it hit and those computing its
+  uncached tokens take at their peak (`peak_bytes`: for a sliding window
+  the window plus a prefill chunk, the whole chunk being written at once),
+  whether or not its unit stays cached after it. Any policy needs that room
+  beside its cache at that moment, more with requests running together, so
+  this is the tighter ceiling where prompts are long.
 
 - `belady` with `order_blind`: not a bound but a reference for shuffled
   traces, where MIN's knowledge of *when* each unit comes back is what no
@@ -124,20 +125,26 @@ def belady(trace: Sequence[TraceRequest], capacity: int, size: Callable[[int], i
             used -= cached.pop(u)[1]
         j = nxt[i]
         need = size(hits[j]) if j < len(ordered) else 0
-        # Room the request holds beside the cache while it runs; a miss computes its
-        # unit, so the unit's cached bytes are part of that room, not added to it.
-        extra = 0
+        # Room the request holds while it runs: its peak for what it computes, and the
+        # pages it hit. Kept cached, its unit's bytes are part of that room, not added
+        # to it; evicted (MIN bypasses a unit needed later than the rest), it still
+        # holds all of it until it finishes.
+        held = 0
         if peak is not None:
-            extra = peak(tr.prompt_len - hits[i] * hit + tr.output_len)
-            extra = max(0, extra - (0 if hit else need))
-        if j < len(ordered) and need + extra <= capacity:
+            held = peak(tr.prompt_len - hits[i] * hit + tr.output_len)
+            held += size(hits[i]) if hit else 0
+        extra = held
+        if j < len(ordered) and max(need, held) <= capacity:
             rank = left[i] if order_blind else -j  # fewest uses left / furthest next use
             cached[u] = (rank, need)
             used += need
             heapq.heappush(heap, (rank, u))
+            extra = max(0, held - need)
         while used + extra > capacity and heap:
             rank, v = heapq.heappop(heap)
             if cached.get(v, (None,))[0] == rank:
                 used -= cached.pop(v)[1]
+                if v == u:
+                    extra = held
     total = sum(r.prompt_len for r in ordered)
     return got / total if total else 0.0
