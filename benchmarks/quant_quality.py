@@ -78,8 +78,10 @@ def main() -> None:
     ap.add_argument("--texts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--only", default="", help="comma-separated variant name prefixes "
-                                               "(default: all; float32 is always run)")
+    # Repeated rather than comma-separated: variant names hold commas.
+    ap.add_argument("--only", action="append", default=[],
+                    help="run the variants whose names start with this (repeatable; "
+                         "default: all; float32 is always run)")
     args = ap.parse_args()
     config, state_dict, tok = load_model_files()
     docs = [tok(t).input_ids[: args.tokens] for t in texts(args.texts)]
@@ -89,7 +91,7 @@ def main() -> None:
                 or kw["quantization"] == "q8+int8" and not vnni()):
             continue
         if args.only and name != next(iter(VARIANTS)) and not any(
-                name.startswith(p) for p in args.only.split(",")):
+                name.startswith(p) for p in args.only):
             continue
         m = Gemma3ForCausalLM.from_state_dict(config, dict(state_dict))
         m.quantize(kw["quantization"])
