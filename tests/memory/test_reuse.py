@@ -477,6 +477,30 @@ def test_with_a_backlog_loop_misses_run_one_at_a_time():
     check_invariants(mgr)
 
 
+def test_without_a_backlog_at_most_a_few_loop_misses_run_at_once():
+    mgr = make(400)  # room for all: only the cap makes the last one wait
+    mgr.LONG_PROMPT = 32  # 64 tokens count as a document
+    cap = mgr.MAX_LOOP_MISSES
+    misses = []
+    for i in range(cap):
+        # Each admitted this step: allocated, nothing computed yet, already counted.
+        misses.append(_looked_up(mgr, f"m{i}", [1000 * (i + 1) + j for j in range(64)],
+                                 loop=True, gap=3))
+        assert mgr.allocate_slots(f"m{i}", 64)
+        _looked_up(mgr, "b", [300 + j for j in range(64)], loop=True, gap=3)
+        assert mgr.waits_for_running("b", 64) is (i + 1 == cap)
+        mgr.abort("b")
+    _looked_up(mgr, "b", [300 + j for j in range(64)], loop=True, gap=3)
+    misses[0].num_hit = 40  # it hit most of its prompt: not a loop miss, one fewer runs
+    assert not mgr.waits_for_running("b", 64)
+    misses[0].num_hit = 0
+    mgr.finish("m1")
+    assert not mgr.waits_for_running("b", 64)  # one has left
+    for rid in list(mgr.reqs):
+        mgr.abort(rid)
+    check_invariants(mgr)
+
+
 def test_two_loop_misses_that_both_fit_prefill_side_by_side():
     mgr = make(70)  # 54 free pages: both peaks (48) fit
     _looked_up(mgr, "a", [100 + i for i in range(64)], loop=True, gap=3)

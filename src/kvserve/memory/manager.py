@@ -488,25 +488,32 @@ class KVCacheManager:
           59.8% to 62.5% and 4/s from 43.1% to 51.8%, with lower TTFT (p99 1.9 ->
           1.0 s and 41 -> 22 s): misses compute less. Where they fit (short
           prompts), waiting would only leave the step's budget unused;
-        - it is a loop miss over a document (more than LONG_PROMPT tokens), more
-          than SHORT_QUEUE others wait, and another loop miss runs, prefilling or
-          decoding: with a backlog, such loop misses go one at a time, whether or
-          not their peaks fit. Each holds a whole document's pages to its end and,
-          once finished, is the loop's first victim, so two at once cost the set
-          that keeps hitting a document more; the hits queued behind start
-          meanwhile. Gemma 3 12B at 4/s: 32 articles round-robin 56.3% -> 65.2%,
-          shuffled 56.9% -> 66.4%, 64 articles 51.4% -> 58.9% and 58.5% -> 64.5%
-          (docs/benchmarks.md has the TTFT it costs). Without a backlog (1/s) it
-          rarely applies, and shorter prompts (chat turns) are left out: there the
-          wait lasted whole answers (from 2,048 tokens up: ShareGPT chat, 200
-          sessions at 2/s, 21.0% -> 20.6% with a higher TTFT; with no length
-          limit 25.3% for 5x the mean TTFT).
+        - it is a loop miss over a document (more than LONG_PROMPT tokens) and
+          other such loop misses run, prefilling or decoding: one other if more
+          than SHORT_QUEUE others wait, MAX_LOOP_MISSES others if not. Each
+          holds a whole document's pages to its end and, once finished, is the
+          loop's first victim, so every document computed beside it costs the
+          set that keeps hitting one more, whether or not their peaks fit. With
+          a backlog they go one at a time, and the hits queued behind start
+          meanwhile. Gemma 3 12B at 4/s: 32 articles round-robin 56.3% ->
+          65.2%, shuffled 56.9% -> 66.4%, 64 articles 51.4% -> 58.9% and 58.5%
+          -> 64.5%. Without one, one at a time made waits stack into a queue at
+          1/s (64 articles: ten times the mean TTFT for no hits); the cap only
+          trims the bursts of Poisson arrivals (docs/benchmarks.md has both).
+          Shorter prompts (chat turns) are left out: there the wait lasted
+          whole answers (from 2,048 tokens up: ShareGPT chat, 200 sessions at
+          2/s, 21.0% -> 20.6% with a higher TTFT; with no length limit 25.3%
+          for 5x the mean TTFT).
         """
         r = self._req(req_id)
         if _loop_miss(r):
-            if waiting > self.SHORT_QUEUE and r.prompt_len > self.LONG_PROMPT and any(
-                    o is not r and o.num_computed and _loop_miss(o) for o in self.reqs.values()):
-                return True
+            if r.prompt_len > self.LONG_PROMPT:
+                # Allocated past its hit: admitted, this step or before.
+                n = sum(1 for o in self.reqs.values()
+                        if o is not r and o.num_alloc > o.num_hit and _loop_miss(o)
+                        and o.prompt_len > self.LONG_PROMPT)
+                if n >= (1 if waiting > self.SHORT_QUEUE else self.MAX_LOOP_MISSES):
+                    return True
             others = [o for o in self.computing.values() if o is not r and _loop_miss(o)]
             if others and not self._fits([r, *others], num_new_tokens, DEAD + 1):
                 return True
@@ -542,9 +549,14 @@ class KVCacheManager:
         waits.pop(req_id, None)
         return True
 
-    # A loop miss over more tokens than this waits for another loop miss to leave while
-    # there is a backlog (waits_for_running): documents, not chat turns.
+    # A loop miss over more tokens than this waits while another such loop miss runs if
+    # there is a backlog, while MAX_LOOP_MISSES run if not (waits_for_running):
+    # documents, not chat turns. 3, not 2 or 4: Gemma 3 12B, 1/s,
+    # 64 articles round-robin 15.9% -> 16.9 / 18.0 / 16.5% hits for 0.72 -> 2.00 /
+    # 1.06 / 0.93 s mean TTFT; with 8192-token steps 28.3% -> 33.2 / 30.7 / 30.6%
+    # for 0.56 -> 1.46 / 0.84 / 0.67 s.
     LONG_PROMPT = 8192
+    MAX_LOOP_MISSES = 3
 
     # A miss prefills at most this many tokens a step while the queue is short: at
     # most SHORT_QUEUE others wait. 2, not 4: Jamba 1.5 Mini, 32 articles round-robin
