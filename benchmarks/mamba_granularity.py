@@ -100,8 +100,8 @@ def run_row(model: Model, row: Row, trace, args: argparse.Namespace) -> dict:
         "hit": s["hit_rate"], "mean_ttft_ms": s["mean_ttft_s"] * 1e3,
         "p99_ttft_ms": s["p99_ttft_s"] * 1e3, "finished": s["finished"],
         "preemptions": s["preemptions"],
-        "infinite": infinite_pool(trace, grain),
-        "belady": belady(trace, sim.kv.pool_bytes, hit_bytes(sim.kv), grain),
+        "infinite": infinite_pool(res.realized(trace), grain),
+        "belady": belady(res.realized(trace), sim.kv.pool_bytes, hit_bytes(sim.kv), grain),
         "wall_s": time.perf_counter() - t0,
     }
 

@@ -13,8 +13,10 @@ scheduler's token budget or, if smaller, the chunk it gives misses).
 Belady bounds, `vs peak` over the peak bound. `blind` is not a bound but what
 an online policy can expect on a shuffled trace: the peak bound's pool kept by
 each unit's remaining uses instead of its next one (`vs blind`: jenga over it).
-The bounds admit requests in arrival order; the scheduler may reorder a backlog
-(KVCacheManager.can_start), so jenga can pass them under overload.
+The bounds admit requests in the order each run saw them arrive (a conversation's
+next turn comes after its previous answer, so the order depends on the run); the
+scheduler may reorder a backlog (KVCacheManager.can_start), so jenga can pass them
+under overload.
 """
 
 from __future__ import annotations
@@ -61,17 +63,20 @@ def add_sim_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run_point(trace_spec: str, args: argparse.Namespace) -> dict:
     trace = load_trace(trace_spec)
-    row: dict = {"trace": trace_spec, "infinite": infinite_pool(trace, 16)}
+    row: dict = {"trace": trace_spec}
     for policy in POLICIES:
-        sim, _, row[policy] = simulate(trace, policy, args)
+        sim, res, row[policy] = simulate(trace, policy, args)
+        seen = res.realized(trace)  # conversations' turns in the order this run gave them
+        if policy == "jenga":
+            row["infinite"] = infinite_pool(seen, 16)
         pool, size = sim.kv.pool_bytes, hit_bytes(sim.kv)
-        row[f"{policy}_belady"] = belady(trace, pool, size, 16)
+        row[f"{policy}_belady"] = belady(seen, pool, size, 16)
         # The scheduler prefills misses in chunks of MISS_CHUNK: the bound
         # takes that chunk for every request, so no request here peaks below it.
         peak = peak_bytes(sim.kv, min(sim.cfg.batched_tokens, sim.kv.MISS_CHUNK))
-        row[f"{policy}_peak"] = belady(trace, pool, size, 16, peak)
+        row[f"{policy}_peak"] = belady(seen, pool, size, 16, peak)
         if policy == "jenga":
-            row["jenga_blind"] = belady(trace, pool, size, 16, peak, order_blind=True)
+            row["jenga_blind"] = belady(seen, pool, size, 16, peak, order_blind=True)
         row[f"{policy}_pool_gb"] = sim.kv.pool_bytes / 1e9
     row["bound"] = min(row["infinite"], row["jenga_belady"])
     return row

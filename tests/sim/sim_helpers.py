@@ -7,6 +7,7 @@ import dataclasses
 from kvserve.sim.gpus import GPU, get_gpu
 from kvserve.sim.models import Model, get_model
 from kvserve.sim.simulator import SimConfig
+from kvserve.sim.traces import OUTPUT_TOKEN, UNIQUE_BASE, TraceRequest
 
 
 def gpu_with_kv(model: Model, kv_bytes: int, max_model_len: int, base: str = "h100") -> GPU:
@@ -22,3 +23,20 @@ def small_config(model_name: str, policy: str, kv_mib: int, max_model_len: int =
     model = get_model(model_name)
     gpu = gpu_with_kv(model, kv_mib << 20, max_model_len)
     return SimConfig(model, gpu, policy=policy, max_model_len=max_model_len, **kw)
+
+
+def chat(sessions: int = 6, turns: int = 4, msg: int = 300, answer: int = 40,
+         gap: float = 2.0) -> list[TraceRequest]:
+    """Multi-turn sessions as sharegpt_chat builds them: each prompt is the whole
+    conversation so far, the answers as the simulator samples them."""
+    out, unique = [], UNIQUE_BASE
+    for s in range(sessions):
+        ids: list[int] = []
+        t = 0.5 * s
+        for k in range(turns):
+            unique += 1
+            ids = ids + [unique] + list(range(len(ids) + 1, len(ids) + msg))
+            out.append(TraceRequest(f"s{s}t{k}", t, answer, prompt_ids=ids, session=f"s{s}"))
+            ids = ids + [OUTPUT_TOKEN] * answer
+            t += gap
+    return sorted(out, key=lambda r: r.arrival)

@@ -6,34 +6,17 @@ import argparse
 import json
 
 import pytest
-from sim_helpers import small_config
+from sim_helpers import chat, small_config
 
 from kvserve.cluster.prompt_tree import block_hashes
 from kvserve.sim import cli
 from kvserve.sim.cluster import ClusterConfig, ClusterSim, simulate_cluster
 from kvserve.sim.cluster_metrics import summary, to_json
 from kvserve.sim.network import GBIT, Network, NetworkConfig
-from kvserve.sim.traces import OUTPUT_TOKEN, UNIQUE_BASE, TraceRequest, doc_qa
+from kvserve.sim.traces import TraceRequest, doc_qa
 
 LLAMA, GEMMA = "llama-3.1-8b", "gemma-3-12b"
 T = 16
-
-
-def chat(sessions: int = 6, turns: int = 4, msg: int = 300, answer: int = 40,
-         gap: float = 2.0) -> list[TraceRequest]:
-    """Multi-turn sessions as sharegpt_chat builds them: each prompt is the whole
-    conversation so far, the answers as the simulator samples them."""
-    out, unique = [], UNIQUE_BASE
-    for s in range(sessions):
-        ids: list[int] = []
-        t = 0.5 * s
-        for k in range(turns):
-            unique += 1
-            ids = ids + [unique] + list(range(len(ids) + 1, len(ids) + msg))
-            out.append(TraceRequest(f"s{s}t{k}", t, answer, prompt_ids=ids, session=f"s{s}"))
-            ids = ids + [OUTPUT_TOKEN] * answer
-            t += gap
-    return sorted(out, key=lambda r: r.arrival)
 
 
 def config(design: str, routing: str = "prompt-tree", instances: int = 4, model: str = LLAMA,

@@ -6,7 +6,7 @@ import dataclasses
 import time
 
 import pytest
-from sim_helpers import small_config
+from sim_helpers import chat, small_config
 
 from kvserve.memory import LayerKind
 from kvserve.sim.gpus import get_gpu
@@ -142,3 +142,30 @@ def test_loads_that_cost_more_than_recompute_are_refused() -> None:
     cfg.gpu = dataclasses.replace(cfg.gpu, pcie_bandwidth=1e6)  # 1 MB/s: never worth it
     s = summary(simulate(trace, cfg))
     assert s["host_hit_tokens"] == 0 and s["swap_in_bytes"] == 0 and s["swap_out_bytes"] > 0
+
+
+def test_a_conversations_next_turn_arrives_its_gap_after_the_previous_answer() -> None:
+    """A user reads the answer before writing again: the simulator holds a session's next
+    turn until the previous one is answered, then the trace's gap later; the bounds replay
+    that order (SimResult.realized)."""
+    trace = chat(sessions=3, turns=3, msg=2000, answer=200, gap=0.01)
+    res = simulate(trace, small_config(GEMMA, "jenga", kv_mib=4 << 10))
+    rec = {r.id: r for r in res.requests}
+    for s in range(3):
+        assert rec[f"s{s}t0"].arrival == 0.5 * s  # first turns keep their trace times
+        for k in (1, 2):
+            prev, cur = rec[f"s{s}t{k - 1}"], rec[f"s{s}t{k}"]
+            assert cur.arrival == pytest.approx(prev.finish + 0.01)
+            assert cur.cached_tokens >= len(trace[0].prompt_ids)  # the answered turn hits
+    seen = res.realized(trace)
+    assert [t.arrival for t in seen] == sorted(r.arrival for r in res.requests)
+    assert {t.id: t.prompt_len for t in seen} == {t.id: t.prompt_len for t in trace}
+
+
+def test_a_rejected_turn_still_releases_the_next_one() -> None:
+    long = TraceRequest("s0t0", 0.0, 8, prompt_len=20_000, session="s0")
+    short = TraceRequest("s0t1", 1.0, 8, prompt_len=100, session="s0")
+    res = simulate([long, short], small_config(GEMMA, "jenga", kv_mib=1 << 10))
+    rec = {r.id: r for r in res.requests}
+    assert rec["s0t0"].rejected and rec["s0t1"].finish is not None
+    assert rec["s0t1"].arrival == pytest.approx(1.0)  # rejected at 0: the gap from there

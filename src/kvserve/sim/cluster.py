@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import partial
@@ -56,7 +55,7 @@ from kvserve.sim.cost import Chunk, CostModel
 from kvserve.sim.kv_moves import IndexPool, SimPayload, export, import_
 from kvserve.sim.network import Network, NetworkConfig
 from kvserve.sim.simulator import RequestRecord, SimConfig, SimResult, Simulator
-from kvserve.sim.traces import OUTPUT_TOKEN, TokenSynth, TraceRequest
+from kvserve.sim.traces import OUTPUT_TOKEN, SessionTurns, TokenSynth, TraceRequest
 
 
 @dataclass
@@ -181,7 +180,6 @@ class ClusterSim:
         self._events: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = itertools.count()
         self._stages: dict[tuple[str, str], Then] = {}  # (instance, request) -> what next
-        self._later: dict[str, deque[TraceRequest]] = {}  # session -> its turns to come
         self._load(trace)
         if cfg.heartbeat_s > 0:
             self._at(cfg.heartbeat_s, self._beat)
@@ -211,23 +209,18 @@ class ClusterSim:
 
     def _load(self, trace: list[TraceRequest]) -> None:
         """Arrivals at their trace times; a session's later turns wait for its answers."""
-        for tr in sorted(trace, key=lambda r: r.arrival):
+        for tr in trace:
             if tr.images:
                 raise ValueError(f"request {tr.id!r} has images: the cluster simulator "
                                  "takes text requests")
-            if self.cfg.causal and tr.session is not None:
-                later = self._later.get(tr.session)
-                if later is not None:
-                    later.append(tr)
-                    continue
-                self._later[tr.session] = deque()
+        self._turns = SessionTurns(trace, self.cfg.causal)
+        for tr in self._turns.first:
             self._at(tr.arrival, partial(self._arrive, tr))
 
     def _next_turn(self, job: Job, now: float) -> None:
-        later = self._later.get(job.tr.session) if job.tr.session is not None else None
-        if later:
-            nxt = later.popleft()
-            self._at(now + (nxt.arrival - job.tr.arrival), partial(self._arrive, nxt))
+        nxt = self._turns.after(job.tr.id, now)
+        if nxt is not None:
+            self._at(nxt.arrival, partial(self._arrive, nxt))
 
     # -------------------------------------------------------------- routing
 

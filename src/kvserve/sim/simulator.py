@@ -5,7 +5,9 @@ against the engine's own memory core (same allocation, eviction, prefix
 hits and preemption as a real run), the cost model prices the batch, and
 the simulated clock moves on by that time. Requests join the scheduler when
 the clock reaches their arrival; when nothing runs the clock jumps to the
-next arrival. A step's sampled token is a fixed synthetic id.
+next arrival. A conversation's next turn arrives only after the previous
+turn's answer (traces.SessionTurns). A step's sampled token is a fixed
+synthetic id.
 
 Per step it records the batch (tokens, decode batch size) and, every
 `mem_every` steps, the memory core's Stats taken after scheduling, i.e.
@@ -14,9 +16,10 @@ the memory the step's forward pass holds.
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvserve.engine.request import Request, SamplingParams
 from kvserve.engine.scheduler import Scheduled, Scheduler
@@ -25,7 +28,7 @@ from kvserve.memory.host_tier import HostStats
 from kvserve.sim.cost import Budget, Chunk, CostModel, kv_budget
 from kvserve.sim.gpus import GPU
 from kvserve.sim.models import BF16, Model
-from kvserve.sim.traces import OUTPUT_TOKEN, TokenSynth, TraceRequest
+from kvserve.sim.traces import OUTPUT_TOKEN, SessionTurns, TokenSynth, TraceRequest
 
 
 @dataclass
@@ -109,6 +112,13 @@ class SimResult:
     host: HostStats | None = None  # the host tier's totals at the end
     swap_seconds: float = 0.0  # step time spent waiting for host-to-device loads
 
+    def realized(self, trace: list[TraceRequest]) -> list[TraceRequest]:
+        """trace as this run saw it, in arrival order: a conversation's later turns arrive
+        after their previous answers (SessionTurns), so offline bounds replay this order."""
+        at = {r.id: r.arrival for r in self.requests}
+        return sorted((replace(tr, arrival=at.get(tr.id, tr.arrival)) for tr in trace),
+                      key=lambda tr: tr.arrival)
+
     @property
     def clock(self) -> float:
         return self.steps[-1].t + self.steps[-1].dt if self.steps else 0.0
@@ -153,20 +163,30 @@ class Simulator:
         self.result = SimResult(cfg, budget, self.kv.pool_bytes)
         self._records: dict[str, RequestRecord] = {}
         self._image_tokens: dict[str, int] = {}
+        # run()'s arrivals; a cluster drives arrive() itself and keeps its own turns
+        self._turns: SessionTurns | None = None
+        self._pending: list[tuple[float, int, TraceRequest]] = []  # a heap, by arrival
+        self._seq = itertools.count()
 
     # ------------------------------------------------------------------- run
 
     def run(self, trace: list[TraceRequest]) -> SimResult:
-        pending = deque(sorted(trace, key=lambda r: r.arrival))
+        self._turns = SessionTurns(trace)
+        for tr in self._turns.first:
+            self._push(tr)
+        pending = self._pending
         while pending or self.busy:
-            while pending and pending[0].arrival <= self.clock:
-                self.arrive(pending.popleft())
+            while pending and pending[0][0] <= self.clock:
+                self.arrive(heapq.heappop(pending)[2])
             if not self.busy:
                 if pending:
-                    self.wait_until(pending[0].arrival)
+                    self.wait_until(pending[0][0])
                 continue
             self.step()
         return self.collect()
+
+    def _push(self, tr: TraceRequest) -> None:
+        heapq.heappush(self._pending, (tr.arrival, next(self._seq), tr))
 
     # An instance of a cluster is driven from outside through the calls below: a shared
     # event clock feeds it requests (arrive) and advances it one step at a time (step).
@@ -223,6 +243,9 @@ class Simulator:
         self._image_tokens.pop(rid, None)
 
     def _done(self, rec: RequestRecord, req: Request | None, now: float) -> None:
+        nxt = self._turns.after(rec.id, now) if self._turns is not None else None
+        if nxt is not None:
+            self._push(nxt)
         if self.on_done is not None:
             self.on_done(rec, req, now)
 

@@ -11,8 +11,9 @@ same `prefix_id` share their first `prefix_len` token ids exactly, so the
 prefix cache can hit; everything else gets ids no other request has.
 `images` are the request's images (cross-attention models: `offset` is the
 text position of the image marker); equal ids mean the same image content.
-An optional `session` names a conversation: the cluster simulator sends its
-requests one after another (each after the previous one's answer).
+An optional `session` names a conversation: the simulators send its
+requests one after another, each its trace gap after the previous one's
+answer (`SessionTurns`).
 
 Generators (`name` or `name:key=value,...`, see GENERATORS): the paper's
 20 long requests at once (Fig. 15), the static and dynamic length traces
@@ -27,8 +28,9 @@ import inspect
 import json
 import math
 import random
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvserve.memory import ImageInput
@@ -102,6 +104,37 @@ class TraceRequest:
             prompt_ids=None if d.get("prompt_ids") is None else [int(t) for t in d["prompt_ids"]],
             session=None if d.get("session") is None else str(d["session"]),
         )
+
+
+class SessionTurns:
+    """A trace's arrivals with each conversation's turns in order: a user reads an answer
+    before writing the next message, so a session's next turn arrives its trace gap (from
+    the previous turn's trace arrival) after the previous turn is answered, not at its
+    trace time. `first` arrive at their trace times; `after(request_id, now)` releases the
+    session's next turn, its arrival moved, once that request is answered (or rejected)."""
+
+    def __init__(self, trace: list[TraceRequest], causal: bool = True) -> None:
+        self.first: list[TraceRequest] = []
+        self._later: dict[str, deque[TraceRequest]] = {}  # session -> its turns to come
+        self._open: dict[str, tuple[str, float]] = {}  # request id -> (session, trace arrival)
+        for tr in sorted(trace, key=lambda r: r.arrival):
+            if causal and tr.session is not None:
+                self._open[tr.id] = (tr.session, tr.arrival)
+                if tr.session in self._later:
+                    self._later[tr.session].append(tr)
+                    continue
+                self._later[tr.session] = deque()
+            self.first.append(tr)
+
+    def after(self, request_id: str, now: float) -> TraceRequest | None:
+        if request_id not in self._open:
+            return None
+        session, arrival = self._open.pop(request_id)
+        later = self._later[session]
+        if not later:
+            return None
+        nxt = later.popleft()
+        return replace(nxt, arrival=now + nxt.arrival - arrival)
 
 
 def write_jsonl(path: str | Path, trace: list[TraceRequest]) -> None:
@@ -275,8 +308,8 @@ def sharegpt_chat(sessions: int = 200, turns: int = 8, rate: float = 1.0,
     `turns` exchanges each, cut before the session would pass `max_len`
     tokens. Sessions start as a Poisson process at `rate` per second; a
     turn arrives `think` seconds (exponential mean) after the previous
-    one's arrival (the cluster simulator counts that gap from the previous
-    answer instead: MemServe's causal sessions). Turn k's prompt ids are turn
+    one's answer (the simulators count the gap from there, `SessionTurns`:
+    MemServe's causal sessions). Turn k's prompt ids are turn
     k-1's prompt, its answer as the simulator samples it (OUTPUT_TOKEN
     repeated) and the new human message (unique ids), so the previous turn's
     whole sequence can hit.
