@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Hashable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from kvserve.memory.allocator import DEAD, OutOfPages, RequestId, TwoLevelAllocator
 from kvserve.memory.baselines import POLICIES, policy_layout
@@ -508,11 +509,13 @@ class KVCacheManager:
         r = self._req(req_id)
         if _loop_miss(r):
             if r.prompt_len > self.LONG_PROMPT:
-                # Allocated past its hit: admitted, this step or before.
-                n = sum(1 for o in self.reqs.values()
-                        if o is not r and o.num_alloc > o.num_hit and _loop_miss(o)
-                        and o.prompt_len > self.LONG_PROMPT)
-                if n >= (1 if waiting > self.SHORT_QUEUE else self.MAX_LOOP_MISSES):
+                # Allocated past its hit: admitted, this step or before. Counted up to
+                # the limit only: this runs for every queued document miss each step.
+                limit = 1 if waiting > self.SHORT_QUEUE else self.MAX_LOOP_MISSES
+                running = (o for o in self.reqs.values()
+                           if o is not r and o.num_alloc > o.num_hit and _loop_miss(o)
+                           and o.prompt_len > self.LONG_PROMPT)
+                if next(islice(running, limit - 1, None), None) is not None:
                     return True
             others = [o for o in self.computing.values() if o is not r and _loop_miss(o)]
             if others and not self._fits([r, *others], num_new_tokens, DEAD + 1):
