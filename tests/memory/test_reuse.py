@@ -617,6 +617,29 @@ def test_a_state_checkpoint_past_the_prompt_goes_first_until_a_conversation_cont
     check_invariants(mgr)
 
 
+def test_a_next_turn_hits_the_state_at_the_previous_sequences_last_block():
+    """The tail: once conversations continue, a state snapshot at every block boundary
+    past the prompt, cached at the end, so a next turn hits every full block it sends
+    back, not the checkpoint grid below."""
+    state = KVSpec("mamba", LayerKind.MAMBA, 1, PAGE, checkpoint_every=4 * T)
+    mgr = make(200, (FULL, state))
+    sp = mgr.alloc.specs[1]
+
+    def keys() -> dict[int, int]:
+        return {sp.plen[p]: sp.last[p] for p, h in enumerate(sp.hash) if h}
+
+    a = ARTICLE + [500, 501, 502]  # 67 tokens; 10 answered, 76 computed
+    serve(mgr, "a", a, out=10)
+    assert 76 not in keys()  # no conversation seen yet: no tail
+    b = a + [900 + i for i in range(10)] + [7000 + i for i in range(9)]  # 86 tokens
+    assert serve(mgr, "b", b, out=2) == 64  # the grid; its attention reaches a's end, 76
+    assert mgr.reuse.continued == 1
+    assert keys()[88] == mgr.now  # b's tail (its grid checkpoint is at 80)
+    c = b + [900, 901] + [8000 + i for i in range(5)]
+    assert serve(mgr, "c", c) == 88
+    assert not any(sp.ref)  # every tail went with its request
+
+
 def _conversation(mgr: KVCacheManager, turns: list[tuple[int, int]], start: int = 0,
                   between=None) -> list[int]:
     """Serve a conversation: each turn's prompt is the previous turn's whole sequence and a

@@ -207,6 +207,34 @@ def test_prefix_hit_restores_a_checkpoint(tiny) -> None:
     assert_nothing_held(eng)
 
 
+def test_a_next_turn_hits_the_previous_sequence_end(tiny) -> None:
+    """Once a conversation has continued, a next turn sends the whole previous sequence
+    back and hits every full block of it (the tail's state), not just the checkpoint
+    grid below; its greedy tokens still equal HF's."""
+    directory, hf = tiny
+    first, message, again = random_prompts([40, 9, 7], seed=11)
+    eng = load_engine(directory, max_num_batched_tokens=16)
+
+    def turn(name: str, prompt: list[int]):
+        eng.add_request(name, {"prompt_token_ids": prompt}, GREEDY)
+        outs = []
+        while eng.has_unfinished():
+            outs += [o for o in eng.step() if o.finished]
+        (out,) = outs
+        assert out.outputs[0].token_ids == reference(hf, prompt)
+        return out
+
+    answer = turn("0", first).outputs[0].token_ids
+    second = first + list(answer) + message  # 65 tokens
+    out = turn("1", second)
+    # Turn 0 ran before any conversation was seen: the grid only (its end is 55).
+    assert out.num_cached_tokens == EVERY
+    third = second + list(out.outputs[0].token_ids) + again
+    # Turn 1 computed 65 + 15 tokens: its tail holds the state at 80; the grid, at 64.
+    assert turn("2", third).num_cached_tokens == 80
+    assert_nothing_held(eng)
+
+
 def test_preemption_matches_hf(tiny) -> None:
     directory, hf = tiny
     prompts = random_prompts([40, 66, 75, 50, 60], seed=3)
@@ -232,7 +260,8 @@ def test_memory_is_one_live_state_per_request_plus_checkpoints(tiny) -> None:
         eng.step()
         stats = eng.kv.stats().specs[s]
         running = len(eng.scheduler.running)
-        # Between steps every snapshot is taken: a running request holds its live state.
+        # Between steps every snapshot is taken: a running request holds its live state
+        # (no tail: these requests continue no conversation).
         assert (stats.used, stats.ideal) == (running * page, running * state)
     # What stays is the checkpoints as cache: 32 and 64 of the first request (70 + 16
     # tokens), 32 of the second (45 + 16) and of the third (20 + 16, taken while decoding).

@@ -73,6 +73,8 @@ class RequestKV:
     # per spec: pages out of the window or checkpoints a reuse point needs, still
     # referenced by the request; freed at finish with the rest
     held: dict[int, list[int]] = field(default_factory=dict)
+    # per Mamba spec: the position whose state its tail page holds (MambaState._tail)
+    tail: dict[int, int] = field(default_factory=dict)
     # DistAttention: leading tokens whose full-attention KV was lent to other instances
     # (their table entries are NO_PAGE here); a multiple of the block size
     lent: int = 0
@@ -496,23 +498,33 @@ class TextStream(SpecManager):
 class MambaState(SpecManager):
     """One live recurrent state per request; checkpoints every N tokens are cached.
 
-    Table: [live state page]. `pending` holds (token position, page) pairs:
-    checkpoints the runner must snapshot the live state into once the request
-    has computed exactly that many tokens, and (0-position) a cached
+    Table: [live state page, tail page once decoding]. `pending` holds (token position,
+    page) pairs: checkpoints the runner must snapshot the live state into once the
+    request has computed exactly that many tokens, and (0-position) a cached
     checkpoint to restore the live state from after a prefix hit.
+
+    The tail page takes the state at every block boundary past the prompt, so when the
+    request ends it holds the state at its sequence's last full block: where a next
+    turn of its conversation hits (Marconi caches states at sequence ends). A grid
+    checkpoint alone leaves that turn the grid's multiple below, up to a whole
+    interval (512 tokens) short of what its attention pages serve.
     """
 
     def _every(self) -> int:
         return self.spec.checkpoint_every // self.T
 
     def possible_prefix(self, is_hit: Sequence[bool]) -> set[int]:
-        m = self._every()
-        return {q for q in range(m, len(is_hit) + 1, m) if is_hit[q - 1]}
+        # Any cached state serves a hit where it was taken: the grid's and tails'.
+        return {q for q in range(1, len(is_hit) + 1) if is_hit[q - 1]}
 
     def longest_hit(self, r: RequestKV, p: int, cached: Container | None = None) -> int:
+        """p itself (a sequence end's tail state, where the other specs' hit ends when a
+        turn continues a conversation), else the grid below it."""
         m = self._every()
         if cached is None:
             cached = self.alloc.specs[self.s].cached
+        if p and r.hashes[p - 1] in cached:
+            return p
         q = p - p % m
         while q > 0 and r.hashes[q - 1] not in cached:
             q -= m
@@ -534,25 +546,46 @@ class MambaState(SpecManager):
         points = range((lo // n + 1) * n, hi + 1, n)
         return points[-1:] if self.spec.checkpoint_last_only else points
 
+    def _tail(self, r: RequestKV, lo: int, hi: int) -> range:
+        """Block boundaries in (lo, hi] past r's prompt, where its tail page takes the
+        state. Only once some request has continued a finished one (ReusePoints.continued:
+        a tail serves a next turn only, and costs a page while its request decodes), and
+        not in vLLM's align mode, whose last checkpoint is its own tail."""
+        if self.reuse is None or not self.reuse.continued or self.spec.checkpoint_last_only:
+            return range(0)
+        return range((max(lo, r.prompt_len) // self.T + 1) * self.T, hi + 1, self.T)
+
     def peak_pages(self, num_tokens: int, chunk: int, images: Sequence[ImageInput]) -> int:
         if self.spec.checkpoint_last_only:
             return 2
-        return 1 + -(-chunk // self.spec.checkpoint_every)
+        tail = 1 if self.reuse is not None and self.reuse.continued else 0
+        return 1 + tail + -(-chunk // self.spec.checkpoint_every)
 
     def num_new_pages(self, r: RequestKV, upto: int) -> int:
-        live = 0 if r.tables[self.s] else 1
-        return live + len(self._checkpoints(r.num_alloc, upto))
+        table = r.tables[self.s]
+        live = 0 if table else 1
+        tail = 1 if len(table) < 2 and self._tail(r, r.num_alloc, upto) else 0
+        return live + tail + len(self._checkpoints(r.num_alloc, upto))
 
     def install(self, r: RequestKV, pids: list[int], upto: int) -> None:
-        if not r.tables[self.s]:
-            r.tables[self.s].append(pids.pop(0))
+        table = r.tables[self.s]
+        if not table:
+            table.append(pids.pop(0))
+        tail = self._tail(r, r.num_alloc, upto)
+        if tail and len(table) < 2:
+            table.append(pids.pop(0))
         r.pending[self.s].extend(zip(self._checkpoints(r.num_alloc, upto), pids))
+        r.pending[self.s].extend((pos, table[1]) for pos in tail)
 
     def advance(self, r: RequestKV, done: int, now: int) -> None:
         keep, s = [], self.s
+        tail = r.tables[s][1] if len(r.tables[s]) > 1 else None
         for pos, pid in r.pending[s]:
             if pos > done:
                 keep.append((pos, pid))
+                continue
+            if pid == tail:  # overwritten at the next boundary; cached at the end
+                r.tail[s] = pos
                 continue
             h = None
             if pos > 0 and pos // self.T <= len(r.hashes):
@@ -585,7 +618,22 @@ class MambaState(SpecManager):
             pid = self.alloc.specs[self.s].cached.get(r.hashes[q - 1])
             if pid is not None:
                 r.kept.setdefault(self.s, []).append((pid, r.hashes[q - 1]))
+        self._cache_tail(r, now)
         super().free_all(r, now)
+
+    def _cache_tail(self, r: RequestKV, now: int) -> None:
+        """The tail page joins the cache as the state at its block boundary (unless a
+        state is cached there already), kept by recency once some request has continued
+        a finished one and evicted first before that, as the grid checkpoint past the
+        prompt above."""
+        table, pos = r.tables[self.s], r.tail.pop(self.s, 0)
+        if len(table) < 2:
+            return
+        pid, e = table.pop(), pos // self.T
+        r.pending[self.s] = [(q, p) for q, p in r.pending[self.s] if p != pid]
+        cached = 0 < e <= len(r.hashes) and self.alloc.insert(self.s, pid, r.hashes[e - 1],
+                                                              pos)
+        self.alloc.free(self.s, [pid], now if cached and self.reuse.continued else DEAD)
 
     def _serves_reuse_point(self, r: RequestKV, e: int) -> bool:
         """A hit at q uses the checkpoint at q - q % every: the one at e serves [e, e + every)."""
@@ -593,6 +641,7 @@ class MambaState(SpecManager):
         return bool(self.reuse.points(r, e, e + m - 1, m))
 
     def live_slots(self, r: RequestKV) -> list[tuple[object, int]]:
+        # The model needs the live state only; the tail, as a checkpoint, is for caching.
         return [((r.req_id, "state"), 1)] if r.num_alloc > r.num_hit else []
 
 

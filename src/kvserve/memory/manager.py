@@ -152,6 +152,10 @@ class KVCacheManager:
         self._full = self._full_specs
         if len(self._full) == len(self.managers):
             self._full = []  # every spec serves what the full ones hold: no divergence
+        # Lookups ask the full-attention specs first: they bring p down to where a
+        # cached sequence ends, which is where a Mamba tail state can serve (it is
+        # found at p itself, not on the grid below).
+        self._lookup_order = sorted(self.managers, key=lambda m: m not in self._full_specs)
         # The model's own rules, used only to account what the tokens need.
         self._ideal_rules = [make_spec_manager(-1, spec, None, self.T) for spec in specs]
         self._members = {
@@ -239,6 +243,7 @@ class KVCacheManager:
     def _mark_reuse(self, r: RequestKV, p: int, q: int) -> None:
         """The hit point, and a longer prefix only the full-attention pages hold, are
         reuse points: this request keeps what a hit there needs as it prefills past."""
+        continues = False
         if q:
             pe = self.reuse.ends.get(r.hashes[q - 1])
             if pe is None:
@@ -247,11 +252,16 @@ class KVCacheManager:
             else:  # r continues a finished request's sequence
                 for m in self.managers:
                     m.retire(r, q, pe)
-            if q < p and (pe is not None or self.reuse.is_turn(r, q)):
-                self.reuse.continued += 1  # not a preempted request coming back whole
+            # not a preempted request coming back whole
+            continues = q < p and (pe is not None or self.reuse.is_turn(r, q))
         d = min((m.longest_hit(r, p) for m in self._full), default=0)
         if d > q:
             self.reuse.mark(r.hashes[d - 1])
+            # A next turn whose previous sequence only the attention pages serve whole
+            # (the Mamba states it needs stand on the grid below) continues it all the same.
+            continues = continues or d < p and (
+                self.reuse.ends.get(r.hashes[d - 1]) is not None or self.reuse.is_turn(r, d))
+        self.reuse.continued += continues
 
     def cached_prefix(self, tokens: Sequence[int], hashes: list[int],
                       images: Sequence[ImageInput] = ()) -> int:
@@ -269,10 +279,10 @@ class KVCacheManager:
         """Intersect every spec's possible prefixes: shrink p to a fixed point.
         With `tiers`, a block counts as cached on the device or in the host tier."""
         views = [Either(m.alloc.specs[m.s].cached, self.host.cached(m.s)) if tiers
-                 and m.swappable else None for m in self.managers]
+                 and m.swappable else None for m in self._lookup_order]
         while True:
             q = p
-            for m, view in zip(self.managers, views):
+            for m, view in zip(self._lookup_order, views):
                 q = m.longest_hit(r, q, view)
             if q == p:
                 return q
