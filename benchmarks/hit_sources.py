@@ -47,9 +47,9 @@ def sources(trace: list[TraceRequest],
     out: dict[str, list[float]] = {k: [0, 0, 0.0] for k in KINDS}
     last: dict[str, str] = {}
     total = sum(t.prompt_len for t in trace)
-    for t in sorted(trace, key=lambda t: records[t.id].arrival):
-        prev = records[last[t.prefix_id]] if t.prefix_id in last else None
-        row, hit = out[kind(prev, records[t.id].arrival)], records[t.id].cached_tokens
+    for t in sorted(trace, key=lambda t: records[t.id].arrival):  # as the run saw them
+        prev, rec = records[last[t.prefix_id]] if t.prefix_id in last else None, records[t.id]
+        row, hit = out[kind(prev, rec.arrival)], rec.cached_tokens
         row[0] += 1
         row[1] += hit > t.prompt_len // 2
         row[2] += hit / total

@@ -88,6 +88,7 @@ def run_row(model: Model, row: Row, trace, args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     sim = Simulator(cfg)
     res = sim.run(trace)
+    seen = res.realized(trace)  # conversations' turns in the order this run gave them
     s = summary(res)
     m = next(i for i, sp in enumerate(sim.kv.layout.specs) if sp.kind is LayerKind.MAMBA)
     grain = sim.kv.layout.specs[m].checkpoint_every
@@ -100,8 +101,8 @@ def run_row(model: Model, row: Row, trace, args: argparse.Namespace) -> dict:
         "hit": s["hit_rate"], "mean_ttft_ms": s["mean_ttft_s"] * 1e3,
         "p99_ttft_ms": s["p99_ttft_s"] * 1e3, "finished": s["finished"],
         "preemptions": s["preemptions"],
-        "infinite": infinite_pool(res.realized(trace), grain),
-        "belady": belady(res.realized(trace), sim.kv.pool_bytes, hit_bytes(sim.kv), grain),
+        "infinite": infinite_pool(seen, grain),
+        "belady": belady(seen, sim.kv.pool_bytes, hit_bytes(sim.kv), grain),
         "wall_s": time.perf_counter() - t0,
     }
 

@@ -187,11 +187,16 @@ class ReusePoints:
         then, gap_before, loop_before, e = found
         gap = r.gap = max(1, r.arrival - then)
         regular = gap_before * 2 >= gap >= gap_before / 2
-        first = not gap_before and r.hashes[e - 1] not in self.ends and not self.is_turn(r, e)
+        first = not gap_before and not self.continues(r, e)
         r.loop = (regular or first) and (lost or loop_before)
         if self.protect is not None:
             r.loop = self.protect and lost
         return LOOP - now if r.loop else None
+
+    def continues(self, r: RequestKV, e: int) -> bool:
+        """Whether r's first e blocks end a finished request's sequence or a whole
+        answered prompt: r goes on with that request's conversation."""
+        return r.hashes[e - 1] in self.ends or self.is_turn(r, e)
 
     def is_turn(self, r: RequestKV, e: int) -> bool:
         """Whether r's first e blocks and the tokens after them are a whole prompt that
@@ -546,20 +551,24 @@ class MambaState(SpecManager):
         points = range((lo // n + 1) * n, hi + 1, n)
         return points[-1:] if self.spec.checkpoint_last_only else points
 
+    def _keeps_tails(self) -> bool:
+        """Only once some request has continued a finished one (ReusePoints.continued: a
+        tail serves a next turn only, and costs a page while its request decodes), and
+        not in vLLM's align mode, whose last checkpoint is its own tail."""
+        return (self.reuse is not None and bool(self.reuse.continued)
+                and not self.spec.checkpoint_last_only)
+
     def _tail(self, r: RequestKV, lo: int, hi: int) -> range:
         """Block boundaries in (lo, hi] past r's prompt, where its tail page takes the
-        state. Only once some request has continued a finished one (ReusePoints.continued:
-        a tail serves a next turn only, and costs a page while its request decodes), and
-        not in vLLM's align mode, whose last checkpoint is its own tail."""
-        if self.reuse is None or not self.reuse.continued or self.spec.checkpoint_last_only:
+        state (none while `_keeps_tails` is false)."""
+        if not self._keeps_tails():
             return range(0)
         return range((max(lo, r.prompt_len) // self.T + 1) * self.T, hi + 1, self.T)
 
     def peak_pages(self, num_tokens: int, chunk: int, images: Sequence[ImageInput]) -> int:
         if self.spec.checkpoint_last_only:
             return 2
-        tail = 1 if self.reuse is not None and self.reuse.continued else 0
-        return 1 + tail + -(-chunk // self.spec.checkpoint_every)
+        return 1 + self._keeps_tails() + -(-chunk // self.spec.checkpoint_every)
 
     def num_new_pages(self, r: RequestKV, upto: int) -> int:
         table = r.tables[self.s]

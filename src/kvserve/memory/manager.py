@@ -253,14 +253,13 @@ class KVCacheManager:
                 for m in self.managers:
                     m.retire(r, q, pe)
             # not a preempted request coming back whole
-            continues = q < p and (pe is not None or self.reuse.is_turn(r, q))
+            continues = q < p and self.reuse.continues(r, q)
         d = min((m.longest_hit(r, p) for m in self._full), default=0)
         if d > q:
             self.reuse.mark(r.hashes[d - 1])
             # A next turn whose previous sequence only the attention pages serve whole
             # (the Mamba states it needs stand on the grid below) continues it all the same.
-            continues = continues or d < p and (
-                self.reuse.ends.get(r.hashes[d - 1]) is not None or self.reuse.is_turn(r, d))
+            continues = continues or d < p and self.reuse.continues(r, d)
         self.reuse.continued += continues
 
     def cached_prefix(self, tokens: Sequence[int], hashes: list[int],
