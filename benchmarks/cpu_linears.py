@@ -4,10 +4,11 @@
         [--cold 96]
 
 Candidates: float32 F.linear; bf16 F.linear (oneDNN, native only with AVX-512 BF16/AMX);
-bf16 packed (oneDNN's prepacked weight: q8+bf16 above 16 rows); int8 blocks (both sides in
-int8 blocks of 32 through VNNI: q8+int8 above 16 rows); fbgemm fp16 and dynamic int8 (what
---quantization fp16/int8 run); our Q8_0 and Q5_0 kernels (q8, q5: what q8 serves a GGUF's
-Q5_0 tensors with);
+bf16 packed (oneDNN's prepacked weight: q8+bf16 above 16 rows where the CPU has no AMX);
+amx bf16 (our AMX tile kernel, kernels/amx.c: q8+bf16 above 4 rows with AMX); int8 blocks
+(both sides in int8 blocks of 32 through VNNI: q8+int8 above 16 rows); fbgemm fp16 and
+dynamic int8 (what --quantization fp16/int8 run); our Q8_0 and Q5_0 kernels (q8, q5: what
+q8 serves a GGUF's Q5_0 tensors with);
 torch's weight-only `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (group 32);
 oneDNN's int8 GEMM (`onednn int8`, AMX where the CPU has it; activations a scale per row), and
 the same with 128 input channels taken out to a bf16 GEMM (`onednn int8 + 128 bf16`).
@@ -25,7 +26,7 @@ import warnings
 import torch
 
 from kvserve.cpu_features import summary
-from kvserve.models.quant import I8Linear, Q5Linear, pack_weight, quantized
+from kvserve.models.quant import Bf16Gemm, I8Linear, Q5Linear, pack_weight, quantized
 
 SHAPES = {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048),
           "head": (262144, 640)}
@@ -96,9 +97,18 @@ def bf16_linear(w: torch.Tensor):
 
 
 def bf16_packed_linear(w: torch.Tensor):
-    """What q8+bf16 runs above 16 rows: oneDNN's prepacked bf16 weight, bf16 rows."""
+    """What q8+bf16 runs above 16 rows without AMX: oneDNN's prepacked bf16 weight, bf16
+    rows."""
     wp = pack_weight(w.bfloat16())
     return lambda x: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), wp, None, "none", [], "")
+
+
+def amx_linear(w: torch.Tensor):
+    """What q8+bf16 runs above 4 rows with AMX (Bf16Gemm: our tile kernel), bf16 rows."""
+    gemm = Bf16Gemm(w.bfloat16())
+    if gemm._amx is None:
+        raise SystemExit("amx bf16: this CPU (or this build) has no AMX tiles")
+    return lambda x: gemm(x.bfloat16().contiguous())
 
 
 def i8_linear(w: torch.Tensor):
@@ -112,6 +122,7 @@ MAKERS = {
     "f32": lambda w: lambda x: torch.nn.functional.linear(x, w),
     "bf16": bf16_linear,
     "bf16 packed": bf16_packed_linear,
+    "amx bf16": amx_linear,
     "int8 blocks": i8_linear,
     "onednn int8": onednn_int8_linear,
     # the same with the first 128 input channels in bf16 (in the model: the 128 largest of

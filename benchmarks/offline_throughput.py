@@ -5,6 +5,7 @@
     python benchmarks/offline_throughput.py sharegpt     # ShareGPT vs transformers generate
     python benchmarks/offline_throughput.py step --num-prompts 100   # decode step, 100 running
     python benchmarks/offline_throughput.py capacity     # concurrent requests: jenga vs uniform
+    python benchmarks/offline_throughput.py gemms --num-prompts 32   # AMX kernel vs oneDNN
     add --json to print one JSON object
 
 Peers on this machine (2 cores) for the fixed workload, from the issue:
@@ -216,10 +217,10 @@ def _timed(totals: dict[str, float], name: str, fn):
 def machine_limits() -> dict:
     """What the step figures are held against: DRAM read bandwidth (a float32 sum over
     1 GiB, all threads) and a GEMM rate (Gemma 3 270M's head shape, 128 rows, in the
-    dtype and path the engine takes for batches: oneDNN's packed bf16 where native, else
-    fbgemm fp16)."""
+    dtype and path the engine takes for batches: Bf16Gemm where bf16 is native (our AMX
+    kernel, else oneDNN's packed copy), else fbgemm fp16)."""
     from kvserve.cpu_features import bf16_native
-    from kvserve.models.quant import pack_weight, quantized
+    from kvserve.models.quant import Bf16Gemm, quantized
 
     def best(fn, n: int = 3) -> float:
         fn()
@@ -235,9 +236,9 @@ def machine_limits() -> dict:
     del x
     w, a = torch.randn(262144, 640) * 0.02, torch.randn(128, 640)
     if bf16_native():
-        wb, ab = pack_weight(w.bfloat16()), a.bfloat16()
-        gemm = best(lambda: torch.ops.mkldnn._linear_pointwise(ab, wb, None, "none", [], ""))
-        how = "oneDNN bf16, packed"
+        wb, ab = Bf16Gemm(w.bfloat16()), a.bfloat16()
+        gemm = best(lambda: wb(ab))
+        how = "AMX tiles, bf16 (kernels/amx.c)" if wb._amx is not None else "oneDNN bf16, packed"
     else:
         q = quantized(w, "fp16")
         gemm, how = best(lambda: q(a)), "fbgemm fp16"
@@ -301,10 +302,52 @@ def breakdown(args: argparse.Namespace) -> dict:
     return out
 
 
+def gemms(args: argparse.Namespace) -> dict:
+    """Decode steps of --num-prompts fixed prompts with q8+bf16's bf16 copies on our AMX
+    kernel, then on oneDNN's, swapped in the same engine round by round (a busy host slows
+    both alike): ms a step, min and median of 8 rounds of 15 steps each."""
+    from kvserve.models.quant import Bf16Gemm, Q8Bf16Linear, pack_weight
+
+    engine = load(args, 1 << 30)
+    warm(engine)
+    model = engine.model
+    layers = [m.quant for m in model.modules() if isinstance(getattr(m, "quant", None),
+                                                            Q8Bf16Linear)]
+    layers += [q for q in [model.quant_head] if isinstance(q, Q8Bf16Linear)]
+    copies = {"amx": [q.packed for q in layers], "onednn": []}
+    if any(g._amx is None for g in copies["amx"]):
+        raise SystemExit("gemms: needs q8+bf16 on a CPU with AMX")
+    for g in copies["amx"]:  # the plain weight back, exactly: identity rows pick it out
+        onednn = Bf16Gemm.__new__(Bf16Gemm)
+        weight = g(torch.eye(g.in_features, dtype=torch.bfloat16)).T.contiguous()
+        onednn.out_features, onednn.in_features = weight.shape
+        onednn._amx, onednn._onednn = None, pack_weight(weight)
+        copies["onednn"].append(onednn)
+    for i, p in enumerate(fixed_prompts(engine.config.vocab_size, args.num_prompts)):
+        engine.add_request(f"g{i}", {"prompt_token_ids": p},
+                           SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    rounds: dict[str, list[float]] = {k: [] for k in copies}
+    for _ in range(8):
+        for name, packed in copies.items():
+            for q, g in zip(layers, packed):
+                q._packed = g
+            engine.step()
+            t0 = time.perf_counter()
+            for _ in range(15):
+                engine.step()
+            rounds[name].append((time.perf_counter() - t0) / 15 * 1e3)
+    return {"cpu": summary(), "rows": args.num_prompts,
+            **{name: {"min_ms": round(min(r), 1), "median_ms": round(sorted(r)[4], 1)}
+               for name, r in rounds.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["fixed", "sharegpt", "step", "capacity", "breakdown"])
+    ap.add_argument("what", choices=["fixed", "sharegpt", "step", "capacity", "breakdown",
+                                     "gemms"])
     ap.add_argument("--model", default=None, help="as kvserve serve's --model")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
@@ -318,7 +361,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     run = {"fixed": fixed, "sharegpt": sharegpt, "step": decode_step, "capacity": capacity,
-           "breakdown": breakdown}
+           "breakdown": breakdown, "gemms": gemms}
     result = run[args.what](args)
     print(json.dumps(result, indent=2))
 

@@ -86,6 +86,9 @@ _SIGNATURES = {
     "kvs_q5_quantize": (_I64, [_VP, _I64, _INT, _VP, _VP, _INT]),
     "kvs_i8_pack": (None, [_VP, _I64, _INT, _VP, _VP, _INT]),
     "kvs_i8_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT, _INT]),
+    "kvs_amx_ready": (_INT, []),
+    "kvs_amx_pack": (None, [_VP, _I64, _INT, _VP, _INT]),
+    "kvs_amx_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT, _INT]),
 }
 
 
@@ -309,6 +312,28 @@ class CpuKernels:
         return QMatmul(self.lib.kvs_i8_matmul, "i8_matmul", (q, torch.uint8),
                        (d, torch.float32), N, K)
 
+    def amx_ready(self) -> bool:
+        """Whether kvs_amx_matmul runs here: built with AMX-BF16 and granted the tiles."""
+        return bool(self.lib.kvs_amx_ready())
+
+    def amx_pack(self, w: torch.Tensor) -> torch.Tensor:
+        """A bfloat16 weight [N, K] (N a multiple of 16, K of 32) in amx_bound's tile layout
+        (kernels/amx.c, kvs_amx_pack): as many bytes, not row-major."""
+        N, K = w.shape
+        if K % 32 or N % 16 or not self.amx_ready():
+            raise ValueError("amx_pack: w [N, K], N a multiple of 16, K of 32, on AMX")
+        out = torch.empty((N, K), dtype=torch.bfloat16)
+        self.lib.kvs_amx_pack(_ptr(w, torch.bfloat16), N, K, out.data_ptr(),
+                              torch.get_num_threads())
+        return out
+
+    def amx_bound(self, packed: torch.Tensor) -> QMatmul:
+        """x [M, K] bfloat16 (unit stride in K) @ W.T -> [M, N] bfloat16 on AMX tiles, for W
+        packed by amx_pack (bitwise oneDNN's result at Gemma 3's shapes)."""
+        N, K = packed.shape
+        return QMatmul(self.lib.kvs_amx_matmul, "amx_matmul", (packed, torch.bfloat16), None,
+                       N, K)
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """First index of each row's maximum, logits [B, V] contiguous -> int64 [B]."""
         if logits.dtype not in _DTYPES or not logits.is_contiguous() or logits.dim() != 2:
@@ -320,24 +345,28 @@ class CpuKernels:
 
 
 class QMatmul:
-    """kvs_q8_matmul, kvs_q5_matmul or kvs_i8_matmul bound to one packed weight (its
-    blocks and scales, each with the dtype the kernel reads, kept alive here): x [M, K]
-    float32 or bfloat16, unit stride in K -> x @ W.T [M, N] in x's dtype. A layer binds
+    """kvs_q8_matmul, kvs_q5_matmul, kvs_i8_matmul or kvs_amx_matmul bound to one packed
+    weight (its blocks and scales, each with the dtype the kernel reads, kept alive here; the
+    AMX kernel has no scales and takes bfloat16 only): x [M, K] float32 or bfloat16, unit
+    stride in K -> x @ W.T [M, N] in x's dtype. A layer binds
     its weight once, so each of a decode step's 73 calls checks only x (a loop of o_proj
     calls at one row: 5-10 us less a call; a whole step showed no change, docs)."""
 
     def __init__(self, fn: Any, name: str, q: tuple[torch.Tensor, torch.dtype],
-                 d: tuple[torch.Tensor, torch.dtype], N: int, K: int) -> None:
-        self.fn, self.name, self.weight = fn, name, (q[0], d[0])
-        self.q_ptr, self.d_ptr, self.N, self.K = _ptr(*q), _ptr(*d), N, K
+                 d: tuple[torch.Tensor, torch.dtype] | None, N: int, K: int) -> None:
+        self.fn, self.name, self.weight = fn, name, (q[0], d and d[0])
+        self.q_ptr, self.d_ptr, self.N, self.K = _ptr(*q), d and _ptr(*d), N, K
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.K or x.stride(1) != 1 or x.dtype not in _DTYPES:
             raise ValueError(f"{self.name}: x float32 or bfloat16 [M, {self.K}], unit stride "
                              "in K")
         y = torch.empty((x.shape[0], self.N), dtype=x.dtype)
-        if self.fn(self.q_ptr, self.d_ptr, x.data_ptr(), x.stride(0), x.shape[0], self.N,
-                   self.K, y.data_ptr(), _DTYPES[x.dtype], torch.get_num_threads()):
+        rc = self.fn(self.q_ptr, self.d_ptr, x.data_ptr(), x.stride(0), x.shape[0], self.N,
+                     self.K, y.data_ptr(), _DTYPES[x.dtype], torch.get_num_threads())
+        if rc == 1:
+            raise ValueError(f"{self.name}: the kernel does not take {x.dtype} rows here")
+        if rc:
             raise MemoryError(f"{self.name}: no scratch memory")
         return y
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from kvserve.memory.spec import LayerKind
-from kvserve.models.layers import Derived, Linear, RMSNorm, linear, pack_weight
-from kvserve.models.quant import QuantLinear, quantize_linears
+from kvserve.models.layers import Derived, Linear, RMSNorm, linear
+from kvserve.models.quant import Bf16Gemm, QuantLinear, quantize_linears
 
 C = TypeVar("C", bound="ModelConfig")
 
@@ -183,7 +183,7 @@ class CausalLM(nn.Module):
         self.kv_layers = config.kv_layers()
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size))
-        self._packed_head = Derived(pack_weight)  # the tied head has no Linear of its own
+        self._packed_head = Derived(Bf16Gemm)  # the tied head has no Linear of its own
         self.quant_head: QuantLinear | None = None
         self.quantization = "none"
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from kvserve.cpu_features import bf16_native
 from kvserve.kernels.cpu import kernels_for
-from kvserve.models.quant import QuantLinear, pack_weight
+from kvserve.models.quant import Bf16Gemm, QuantLinear
 
 
 class Derived:
@@ -26,12 +26,12 @@ class Derived:
     reloaded instead. Weights load after ``__init__`` (meta device, then assigned), so what is
     derived from them cannot be made there."""
 
-    def __init__(self, make: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, make: Callable[..., Any]) -> None:
         self._make = make
         self._key: tuple | None = None
-        self._value: torch.Tensor | None = None
+        self._value: Any = None
 
-    def get(self, *weights: torch.Tensor) -> torch.Tensor:
+    def get(self, *weights: torch.Tensor) -> Any:
         key = tuple((w.data_ptr(), w.shape, w.dtype, w.device) for w in weights)
         if key != self._key or self._value is None:
             self._value = self._make(*(w.detach() for w in weights))
@@ -41,29 +41,30 @@ class Derived:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: Derived,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias); bf16 inference on CPU goes through the prepacked weight.
+    """x @ weight.T (+ bias); bf16 inference on CPU goes through the packed weight
+    (``packed``: a Derived Bf16Gemm).
 
-    Bitwise equal to F.linear on Gemma 3 270M's shapes and measured faster on a 2-core
-    AVX-512 CPU: ~1.5x for the 262k-row head, 2.3x for the layers' projections at one token and
-    ~1.2x at 32 tokens (one thread). oneDNN prepacks bf16 only where the CPU computes it
-    natively; elsewhere (AVX2-only) F.linear's emulated bf16 is the correct path. Other
-    dtypes, devices and autograd take F.linear too.
+    oneDNN's prepacked copy is bitwise equal to F.linear on Gemma 3 270M's shapes and
+    measured faster on a 2-core AVX-512 CPU: ~1.5x for the 262k-row head, 2.3x for the
+    layers' projections at one token and ~1.2x at 32 tokens (one thread); with AMX our tile
+    kernel gives the same sums faster still (Bf16Gemm). Both need bf16 computed natively;
+    elsewhere (AVX2-only) F.linear's emulated bf16 is the correct path. Other dtypes,
+    devices and autograd take F.linear too.
     """
     if (x.device.type == "cpu" and weight.dtype == torch.bfloat16 == x.dtype
             and not torch.is_grad_enabled() and bf16_native()):
-        return torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), packed.get(weight), bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        return packed.get(weight)(rows, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict names) that runs bf16 CPU inference through a
-    oneDNN-prepacked copy of its weight (see ``linear``), or its quantized copy once
-    quantized."""
+    packed copy of its weight (see ``linear``), or its quantized copy once quantized."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.packed = Derived(pack_weight)
+        self.packed = Derived(Bf16Gemm)
         self.quant: QuantLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ every weight to bf16 (~3.5 s in all for Gemma 3 270M). All of it is a function o
 converted weights, the mode, the dtype and the Q8_0 layout, so the first start writes the
 result next to the converted weights, `packed-<mode>-<dtype>-v<format>.safetensors`, and
 later starts map that file:
-the packed blocks, the bf16 weights (oneDNN's own blocking is made from them on first
-use, see quant.Q8Bf16Linear) and every other parameter already in the serving dtype.
+the packed blocks, the bf16 weights (the GEMM's own layout, AMX tiles or oneDNN's
+blocking, is made from them on first use, see quant.Q8Bf16Linear) and every other
+parameter already in the serving dtype.
 
 The file is trusted only if everything it was made from still holds: this format, the
 kernels' `CpuKernels.Q8_LAYOUT`, the mode, the dtype, the float weights' size and mtime,

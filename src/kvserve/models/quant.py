@@ -19,9 +19,9 @@ re-quantized from the GGUF's dequantized values.
   ships as Q5_0 (Gemma 3 270M Q4_K_M: q/k/v, gate, up) keeps its own Q5_0 blocks instead
   where the CPU has AVX-512BW (Q5Linear, 0.6875 bytes a weight, no rounding at all).
 - q8+bf16 (the default where bf16 runs natively, for a bf16 model): the q8 copy for steps
-  of up to 16 rows (4 with AMX), and a oneDNN-packed bf16 copy (every weight rounded to
-  bf16, activations too) for larger ones, where oneDNN's native bf16 dot products beat our
-  int16 kernel.
+  of up to 16 rows (4 with AMX), and a packed bf16 copy (every weight rounded to bf16,
+  activations too; Bf16Gemm: our AMX tile kernel, else oneDNN) for larger ones, where
+  native bf16 dot products beat our int16 kernel.
 - q8+int8 (on request, where the CPU has VNNI): the q8 copy for steps of up to 16 rows,
   and above them both sides in int8 blocks of 32 (llama.cpp's Q8_0 x Q8_0: the weights as
   Q8_0, each activation block rounded to int8 at each call; kernels/i8matmul.c). 1.3-1.6x
@@ -104,6 +104,29 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """A oneDNN-blocked copy of a bf16 CPU weight (as much memory as the weight). The
     batch-size hint (32) only picks the blocking; any row count runs on it."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+
+
+class Bf16Gemm:
+    """A bf16 CPU weight [N, K] packed for native bf16 GEMMs (as much memory as the weight):
+    rows [M, K] bfloat16 -> [M, N] bfloat16. Where the CPU has AMX, our tile kernel
+    (kernels/amx.c) over its own layout: it reads the weights at up to twice oneDNN's rate at
+    decode-sized steps and gives the same sums. Elsewhere (AVX-512 BF16 without AMX, or a
+    shape it does not take) oneDNN's blocked copy."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features, self.in_features = weight.shape
+        kernels = cpu_kernels() if amx() else None
+        if (kernels is not None and kernels.amx_ready() and self.out_features % 16 == 0
+                and self.in_features % 32 == 0):
+            self._amx, self._onednn = kernels.amx_bound(kernels.amx_pack(weight.contiguous())), None
+        else:
+            self._amx, self._onednn = None, pack_weight(weight)
+
+    def __call__(self, rows: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self._amx is None:
+            return torch.ops.mkldnn._linear_pointwise(rows, self._onednn, bias, "none", [], "")
+        y = self._amx(rows)
+        return y if bias is None else y + bias
 
 
 class Fp16Linear:
@@ -238,8 +261,8 @@ def vnni() -> bool:
 
 
 def amx() -> bool:
-    """Whether this CPU has AMX's bf16 tiles, on which oneDNN runs q8+bf16's bf16 copies
-    (fast from a few rows: Q8Bf16Linear.SMALL, serves_i8_head)."""
+    """Whether this CPU has AMX's bf16 tiles, which run q8+bf16's bf16 copies (Bf16Gemm;
+    fast from a few rows: Q8Bf16Linear.SMALL, serves_i8_head)."""
     return "amx_bf16" in cpu_flags()
 
 
@@ -310,16 +333,17 @@ class SplitLinear:
 
 
 class Q8Bf16Linear(SplitLinear):
-    """Q8_0 for steps of up to SMALL rows, oneDNN's bf16 GEMM above, on CPUs
+    """Q8_0 for steps of up to SMALL rows, a native bf16 GEMM (Bf16Gemm) above, on CPUs
     that compute bf16 natively. Measured on a 2-core Zen 4 EPYC (AVX-512 BF16 and VNNI) for
     Gemma 3 270M's shapes: at one row Q8_0 is 2.5-3x faster (the step reads the weights,
     and Q8_0 is 1.125 bytes a weight against bf16's 2); from 16-32 rows oneDNN's bf16
     dot products win (1.3-2x at 32), as our int16 kernel spends as many instructions
     scaling each block as multiplying it. Two copies: 3.125 bytes a weight."""
 
-    # With AMX, oneDNN's bf16 tiles pass the kernel from 5-8 rows (a 2-core Xeon, Gemma 3
-    # 270M's shapes, cpu_linears.py: at 8 rows qkv 0.068 vs 0.118 ms, down 0.099 vs 0.163,
-    # head 13.2 vs 13.2; at 4 the kernel still wins or ties: head 8.3 vs 13.0 ms).
+    # With AMX, bf16 tiles pass the kernel from 5-8 rows (a 2-core Xeon, Gemma 3 270M's
+    # shapes, cpu_linears.py, oneDNN's tiles: at 8 rows qkv 0.068 vs 0.118 ms, down 0.099
+    # vs 0.163, head 13.2 vs 13.2; at 4 the kernel still wins or ties: head 8.3 vs 13.0 ms,
+    # and the head's 4 rows read 335 MB as bf16 against 189 as Q8_0 whichever GEMM runs).
     SMALL = 4 if amx() else 16
 
     def __init__(self, weight: torch.Tensor, small: Q5Linear | None = None) -> None:
@@ -327,11 +351,11 @@ class Q8Bf16Linear(SplitLinear):
         self._init_bf16(weight.detach().bfloat16().contiguous())
 
     def _init_bf16(self, bf16: torch.Tensor) -> None:
-        # oneDNN's blocked copy is made on the first step of more than SMALL rows: a
-        # start does not wait for it (the 262k-row head alone takes ~0.5 s), and a
-        # session of short prompts never needs it.
+        # The GEMM's packed copy is made on the first step of more than SMALL rows: a
+        # start does not wait for it (the 262k-row head alone takes ~0.5 s in oneDNN),
+        # and a session of short prompts never needs it.
         self.bf16: torch.Tensor | None = bf16
-        self._packed: torch.Tensor | None = None
+        self._packed: Bf16Gemm | None = None
         self.out_features, self.in_features = bf16.shape
 
     @classmethod
@@ -345,25 +369,25 @@ class Q8Bf16Linear(SplitLinear):
     def packed_state(self) -> dict[str, torch.Tensor]:
         """What from_packed takes back; the bf16 weight exists until its first large step."""
         if self.bf16 is None:
-            raise RuntimeError("the bf16 weight is already oneDNN-packed; save before running")
+            raise RuntimeError("the bf16 weight is already packed; save before running")
         return {**self.q8.packed_state(), "bf16": self.bf16}
 
     @property
-    def packed(self) -> torch.Tensor:
-        """oneDNN's blocked bf16 copy, made (and the plain one dropped) on first use. Safe
-        to race (a server's prepack thread and its engine): _packed is set before bf16 is
-        dropped, so a caller that finds no plain weight finds the packed one."""
+    def packed(self) -> Bf16Gemm:
+        """The packed bf16 copy, made (and the plain one dropped) on first use. Safe to race
+        (a server's prepack thread and its engine): _packed is set before bf16 is dropped,
+        so a caller that finds no plain weight finds the packed one."""
         if self._packed is None:
             bf16 = self.bf16
             if bf16 is None:
                 return self._packed
-            self._packed = pack_weight(bf16)
+            self._packed = Bf16Gemm(bf16)
             self.bf16 = None
         return self._packed
 
     def _large(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
+        y = self.packed(rows)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def nbytes(self) -> int:
@@ -442,7 +466,8 @@ def serves_i8_head(mode: str, out_features: int) -> bool:
     Q8_0 weights stay exact; bf16 rounds them); up to 16 rows the int16 activations keep
     98.89% where int8 ones had 98.47% (docs/benchmarks.md). Two copies, 2.25 bytes a
     weight, against q8+bf16's Q8_0 copy and oneDNN's blocked bf16 one (3.125). With AMX,
-    q8+bf16 keeps its own split instead (Q8_0 up to 4 rows, oneDNN's bf16 tiles above):
+    q8+bf16 keeps its own split instead (Q8_0 up to 4 rows, bf16 tiles above; these
+    figures are oneDNN's tiles, kernels/amx.c is faster still):
     Gemma 3 270M's head on a 2-core Xeon, interleaved calls, 14.6 against 30.7 ms at 16
     rows (where the int8-block head still runs Q8_0), 18.7 against 28.2 at 64, level at 8
     and 32 (13.8 / 13.8, 16.9 / 17.7); agreement stays (98.68% against 98.83%, perplexity
