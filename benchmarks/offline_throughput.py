@@ -305,7 +305,8 @@ def breakdown(args: argparse.Namespace) -> dict:
 def gemms(args: argparse.Namespace) -> dict:
     """Decode steps of --num-prompts fixed prompts with q8+bf16's bf16 copies on our AMX
     kernel, then on oneDNN's, swapped in the same engine round by round (a busy host slows
-    both alike): ms a step, min and median of 8 rounds of 15 steps each."""
+    both alike): ms a step, min and median of 8 rounds of 15 steps each. With --prefill L,
+    instead the time to the first token of a fresh L-token prompt (6 rounds)."""
     from kvserve.models.quant import Bf16Gemm, Q8Bf16Linear, pack_weight
 
     engine = load(args, 1 << 30)
@@ -323,23 +324,42 @@ def gemms(args: argparse.Namespace) -> dict:
         onednn.out_features, onednn.in_features = weight.shape
         onednn._amx, onednn._onednn = None, pack_weight(weight)
         copies["onednn"].append(onednn)
-    for i, p in enumerate(fixed_prompts(engine.config.vocab_size, args.num_prompts)):
-        engine.add_request(f"g{i}", {"prompt_token_ids": p},
-                           SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
-    for _ in range(6):
-        engine.step()
     rounds: dict[str, list[float]] = {k: [] for k in copies}
-    for _ in range(8):
-        for name, packed in copies.items():
-            for q, g in zip(layers, packed):
-                q._packed = g
+
+    def use(name: str) -> None:
+        for q, g in zip(layers, copies[name]):
+            q._packed = g
+
+    if args.prefill:
+        gen = torch.Generator().manual_seed(1)
+        for i in range(6):
+            for name in copies:
+                use(name)
+                prompt = torch.randint(10, 200_000, (args.prefill,), generator=gen).tolist()
+                t0 = time.perf_counter()
+                engine.add_request(f"p{i}{name}", {"prompt_token_ids": prompt},
+                                   SamplingParams(temperature=0, max_tokens=1))
+                while engine.has_unfinished():
+                    engine.step()
+                rounds[name].append((time.perf_counter() - t0) * 1e3)
+        what = {"prefill_tokens": args.prefill}
+    else:
+        for i, p in enumerate(fixed_prompts(engine.config.vocab_size, args.num_prompts)):
+            engine.add_request(f"g{i}", {"prompt_token_ids": p},
+                               SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
+        for _ in range(6):
             engine.step()
-            t0 = time.perf_counter()
-            for _ in range(15):
+        for _ in range(8):
+            for name in copies:
+                use(name)
                 engine.step()
-            rounds[name].append((time.perf_counter() - t0) / 15 * 1e3)
-    return {"cpu": summary(), "rows": args.num_prompts,
-            **{name: {"min_ms": round(min(r), 1), "median_ms": round(sorted(r)[4], 1)}
+                t0 = time.perf_counter()
+                for _ in range(15):
+                    engine.step()
+                rounds[name].append((time.perf_counter() - t0) / 15 * 1e3)
+        what = {"rows": args.num_prompts}
+    return {"cpu": summary(), **what,
+            **{name: {"min_ms": round(min(r), 1), "median_ms": round(sorted(r)[len(r) // 2], 1)}
                for name, r in rounds.items()}}
 
 
@@ -359,6 +379,7 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="fixed: transformers too")
     ap.add_argument("--kv-mib", type=int, default=512)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--prefill", type=int, default=0, help="gemms: time a prompt this long")
     args = ap.parse_args()
     run = {"fixed": fixed, "sharegpt": sharegpt, "step": decode_step, "capacity": capacity,
            "breakdown": breakdown, "gemms": gemms}

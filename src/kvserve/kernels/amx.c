@@ -8,7 +8,7 @@
  * prefetchers, so this kernel prefetches each weight tile two K-blocks ahead of its load.
  * The products and their float32 order are oneDNN's at Gemma 3 270M's width (K = 640:
  * bitwise equal results up to 32 rows); where oneDNN blocks differently (K = 2048, or 64
- * rows of the head) one output in a few hundred to ten thousand is a rounding apart.
+ * rows of the head) about one output in ten thousand is a rounding apart.
  *
  * Layout (kvs_amx_pack): 16 output columns make a stripe; a stripe's weights are K / 32
  * tiles of 16 rows of 64 bytes, row r holding the 16 columns' values k = 2r and 2r + 1
