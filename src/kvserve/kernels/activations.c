@@ -39,7 +39,7 @@ static inline float gelu_tanh(float x) {
 
 /* out[t][:I] = gelu_tanh(x[t][:I]) * x[t][I:2I]; rows of x are 2I long, out contiguous. */
 void kvs_gelu_mul(const void *x, int n, int I, int is_bf16, void *out, int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if ((int64_t)n * I > 65536)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if ((int64_t)n * I > PARALLEL_MIN)
     for (int t = 0; t < n; t++) {
         if (is_bf16) {
             const uint16_t *g = (const uint16_t *)x + (size_t)t * 2 * I, *up = g + I;

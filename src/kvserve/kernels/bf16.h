@@ -7,6 +7,10 @@
 
 typedef union { uint32_t u; float f; } bits;
 
+/* Values from which the row-wise kernels (norms, activations) split their rows over the
+ * threads: an OpenMP fork and join costs a few microseconds, a value ~1 ns. */
+#define PARALLEL_MIN 8192
+
 static inline float bf16_load(uint16_t x) { bits b; b.u = (uint32_t)x << 16; return b.f; }
 
 static inline uint16_t bf16_store(float f) {  /* round to nearest even, as torch does */

@@ -36,7 +36,7 @@ static inline void norm_row(float *restrict x, const float *restrict scale, int 
 void kvs_norm_rope(const void *x, int64_t x_ts, int64_t x_hs, int n, int H, int D,
                    const float *scale, float eps, const void *cos, const void *sin,
                    int is_bf16, void *y, int64_t y_ts, int64_t y_hs, int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * H * D > 65536)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * H * D > PARALLEL_MIN)
     for (int t = 0; t < n; t++) {
         float row[MAX_ROW], c[MAX_ROW], s[MAX_ROW];
         if (cos) {
@@ -66,7 +66,7 @@ void kvs_norm_rope(const void *x, int64_t x_ts, int64_t x_hs, int n, int H, int 
  * y = norm(x, w_next) (the next sub-block's input). All rows contiguous. D <= MAX_ROW. */
 void kvs_add_norm(void *x, const void *h, int n, int D, const float *w_add,
                   const float *w_next, float eps, int is_bf16, void *y, int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * D > 65536)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * D > PARALLEL_MIN)
     for (int t = 0; t < n; t++) {
         float a[MAX_ROW], b[MAX_ROW];
         load_row(h, (int64_t)t * D, b, D, is_bf16);
