@@ -106,7 +106,7 @@ def bf16_packed_linear(w: torch.Tensor):
 def amx_linear(w: torch.Tensor):
     """What q8+bf16 runs above 4 rows with AMX (Bf16Gemm: our tile kernel), bf16 rows."""
     gemm = Bf16Gemm(w.bfloat16())
-    if gemm._amx is None:
+    if not gemm.on_amx:
         raise SystemExit("amx bf16: this CPU (or this build) has no AMX tiles")
     return lambda x: gemm(x.bfloat16().contiguous())
 

@@ -238,7 +238,7 @@ def machine_limits() -> dict:
     if bf16_native():
         wb, ab = Bf16Gemm(w.bfloat16()), a.bfloat16()
         gemm = best(lambda: wb(ab))
-        how = "AMX tiles, bf16 (kernels/amx.c)" if wb._amx is not None else "oneDNN bf16, packed"
+        how = "AMX tiles, bf16 (kernels/amx.c)" if wb.on_amx else "oneDNN bf16, packed"
     else:
         q = quantized(w, "fp16")
         gemm, how = best(lambda: q(a)), "fbgemm fp16"
@@ -307,7 +307,7 @@ def gemms(args: argparse.Namespace) -> dict:
     kernel, then on oneDNN's, swapped in the same engine round by round (a busy host slows
     both alike): ms a step, min and median of 8 rounds of 15 steps each. With --prefill L,
     instead the time to the first token of a fresh L-token prompt (6 rounds)."""
-    from kvserve.models.quant import Bf16Gemm, Q8Bf16Linear, pack_weight
+    from kvserve.models.quant import Bf16Gemm, Q8Bf16Linear
 
     engine = load(args, 1 << 30)
     warm(engine)
@@ -316,14 +316,11 @@ def gemms(args: argparse.Namespace) -> dict:
                                                             Q8Bf16Linear)]
     layers += [q for q in [model.quant_head] if isinstance(q, Q8Bf16Linear)]
     copies = {"amx": [q.packed for q in layers], "onednn": []}
-    if any(g._amx is None for g in copies["amx"]):
+    if not all(g.on_amx for g in copies["amx"]):
         raise SystemExit("gemms: needs q8+bf16 on a CPU with AMX")
     for g in copies["amx"]:  # the plain weight back, exactly: identity rows pick it out
-        onednn = Bf16Gemm.__new__(Bf16Gemm)
         weight = g(torch.eye(g.in_features, dtype=torch.bfloat16)).T.contiguous()
-        onednn.out_features, onednn.in_features = weight.shape
-        onednn._amx, onednn._onednn = None, pack_weight(weight)
-        copies["onednn"].append(onednn)
+        copies["onednn"].append(Bf16Gemm(weight, use_amx=False))
     rounds: dict[str, list[float]] = {k: [] for k in copies}
 
     def use(name: str) -> None:

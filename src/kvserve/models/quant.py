@@ -111,16 +111,22 @@ class Bf16Gemm:
     rows [M, K] bfloat16 -> [M, N] bfloat16. Where the CPU has AMX, our tile kernel
     (kernels/amx.c) over its own layout: it reads the weights at up to twice oneDNN's rate at
     decode-sized steps and gives the same sums. Elsewhere (AVX-512 BF16 without AMX, or a
-    shape it does not take) oneDNN's blocked copy."""
+    shape it does not take), or with use_amx=False (benchmarks comparing the two), oneDNN's
+    blocked copy."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, use_amx: bool = True) -> None:
         self.out_features, self.in_features = weight.shape
-        kernels = cpu_kernels() if amx() else None
+        kernels = cpu_kernels() if use_amx and amx() else None
         if (kernels is not None and kernels.amx_ready() and self.out_features % 16 == 0
                 and self.in_features % 32 == 0):
             self._amx, self._onednn = kernels.amx_bound(kernels.amx_pack(weight.contiguous())), None
         else:
             self._amx, self._onednn = None, pack_weight(weight)
+
+    @property
+    def on_amx(self) -> bool:
+        """Whether this copy runs on our AMX kernel (else on oneDNN)."""
+        return self._amx is not None
 
     def __call__(self, rows: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self._amx is None:
