@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -328,17 +330,7 @@ def gemms(args: argparse.Namespace) -> dict:
             q._packed = g
 
     if args.prefill:
-        gen = torch.Generator().manual_seed(1)
-        for i in range(6):
-            for name in copies:
-                use(name)
-                prompt = torch.randint(10, 200_000, (args.prefill,), generator=gen).tolist()
-                t0 = time.perf_counter()
-                engine.add_request(f"p{i}{name}", {"prompt_token_ids": prompt},
-                                   SamplingParams(temperature=0, max_tokens=1))
-                while engine.has_unfinished():
-                    engine.step()
-                rounds[name].append((time.perf_counter() - t0) * 1e3)
+        rounds = first_tokens(engine, args.prefill, 6, {k: partial(use, k) for k in copies})
         what = {"prefill_tokens": args.prefill}
     else:
         for i, p in enumerate(fixed_prompts(engine.config.vocab_size, args.num_prompts)):
@@ -360,11 +352,49 @@ def gemms(args: argparse.Namespace) -> dict:
                for name, r in rounds.items()}}
 
 
+def first_tokens(engine: LLMEngine, length: int, rounds: int,
+                 setups: dict[str, Callable[[], None]]) -> dict[str, list[float]]:
+    """ms to the first token of a fresh `length`-token prompt, under each setup in turn,
+    round after round (a busy host slows all alike)."""
+    gen = torch.Generator().manual_seed(1)
+    out: dict[str, list[float]] = {name: [] for name in setups}
+    for i in range(rounds):
+        for name, setup in setups.items():
+            setup()
+            prompt = torch.randint(10, 200_000, (length,), generator=gen).tolist()
+            t0 = time.perf_counter()
+            engine.add_request(f"p{i}{name}", {"prompt_token_ids": prompt},
+                               SamplingParams(temperature=0, max_tokens=1))
+            while engine.has_unfinished():
+                engine.step()
+            out[name].append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def attention(args: argparse.Namespace) -> dict:
+    """Time to the first token of fresh --prefill L-token prompts, the prompt's attention on
+    AMX's tiles (the machine's build of kernels/paged_attention.c) and row by row (a build
+    without AMX), swapped in one engine round by round: ms, min and median of 4 rounds."""
+    from kvserve.kernels.cpu import cpu_kernels
+
+    engine = load(args, 1 << 30)
+    warm(engine)
+    attn = engine.runner.attn
+    builds = {"tiles": attn.kernels, "rows": cpu_kernels(("-mno-amx-tile",))}
+    if attn.kernels is None or not attn.kernels.amx_ready():
+        raise SystemExit("attention: needs bf16 KV on a CPU with AMX")
+    rounds = first_tokens(engine, args.prefill or 8000, 4,
+                          {k: partial(setattr, attn, "kernels", b) for k, b in builds.items()})
+    return {"cpu": summary(), "prefill_tokens": args.prefill or 8000,
+            **{name: {"min_ms": round(min(r), 1), "median_ms": round(sorted(r)[len(r) // 2], 1)}
+               for name, r in rounds.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["fixed", "sharegpt", "step", "capacity", "breakdown",
-                                     "gemms"])
+                                     "gemms", "attention"])
     ap.add_argument("--model", default=None, help="as kvserve serve's --model")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
@@ -376,10 +406,11 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="fixed: transformers too")
     ap.add_argument("--kv-mib", type=int, default=512)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--prefill", type=int, default=0, help="gemms: time a prompt this long")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="gemms, attention: time a prompt this long")
     args = ap.parse_args()
     run = {"fixed": fixed, "sharegpt": sharegpt, "step": decode_step, "capacity": capacity,
-           "breakdown": breakdown, "gemms": gemms}
+           "breakdown": breakdown, "gemms": gemms, "attention": attention}
     result = run[args.what](args)
     print(json.dumps(result, indent=2))
 

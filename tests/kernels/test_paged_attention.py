@@ -101,6 +101,31 @@ def test_split_ranges_merge_by_their_lse(kernels, seed, dtype, G, D, chunks, cut
         torch.testing.assert_close(whole_lse[r], s.logsumexp(-1).reshape(-1))
 
 
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), Hkv=st.sampled_from([1, 2]), G=st.sampled_from([1, 2, 4, 8]),
+       D=st.sampled_from([32, 64, 256]), T=st.sampled_from([1, 4, 16]),
+       chunks=st.lists(st.tuples(st.integers(0, 100), st.integers(1, 70)), min_size=1,
+                       max_size=3),
+       window=st.sampled_from([0, 5, 32, 100]))
+def test_prefill_chunks_match_torch_attention(kernels, seed, Hkv, G, D, T, chunks, window):
+    """Chunks of many rows of one sequence: with AMX, their runs of 16 go to the tiles
+    (keys laid out once a call, each row masked to its own range), the rest row by row."""
+    q, cache, tables, padded, ints, lists = case(seed, torch.bfloat16, Hkv, G, D, T, chunks,
+                                                 window)
+    lse = torch.empty(q.shape[:2])
+    got = kernels.paged_attention(q, cache, padded, *ints, D**-0.5, lse)
+    torch.testing.assert_close(got, reference(q, cache, tables, *lists, D**-0.5),
+                               atol=2e-2, rtol=2e-2)
+    seq, lo, n = lists
+    for r in range(0, q.shape[0], 7):  # the scores' log-sum-exp, in float32 from bf16 scores
+        pos = torch.arange(lo[r], lo[r] + n[r])
+        page = padded[seq[r]][pos // T].long()
+        k = cache[page, 0, pos % T].float()
+        s = torch.einsum("hgd,lhd->hgl", q[r].float().view(Hkv, G, D), k)
+        s = s.bfloat16().float() * D**-0.5
+        torch.testing.assert_close(lse[r], s.logsumexp(-1).reshape(-1), atol=1e-3, rtol=1e-4)
+
+
 def test_reads_a_strided_query_in_place(kernels):
     # The engine hands q as a slice of the fused qkv projection: rows are not contiguous.
     q, cache, _, padded, ints, _ = case(0, torch.float32, 1, 4, 64, 4, [(8, 1), (20, 10)], 0)
