@@ -372,19 +372,25 @@ def first_tokens(engine: LLMEngine, length: int, rounds: int,
 
 
 def attention(args: argparse.Namespace) -> dict:
-    """Time to the first token of fresh --prefill L-token prompts, the prompt's attention on
-    AMX's tiles (the machine's build of kernels/paged_attention.c) and row by row (a build
-    without AMX), swapped in one engine round by round: ms, min and median of 4 rounds."""
+    """Time to the first token of fresh --prefill L-token prompts, the prompt's attention in
+    blocks of 16 rows on AMX's tiles (the machine's build of kernels/paged_attention.c), in
+    blocks with vdpbf16ps (a build without AMX) and row by row (benchmarks/
+    prefill_attention.py's RowByRow), swapped in one engine round by round: ms, min and
+    median of 4 rounds."""
+    from prefill_attention import RowByRow
+
     from kvserve.kernels.cpu import cpu_kernels
 
     engine = load(args, 1 << 30)
     warm(engine)
     attn = engine.runner.attn
-    builds = {"tiles": attn.kernels, "rows": cpu_kernels(("-mno-amx-tile",))}
     if attn.kernels is None or not attn.kernels.amx_ready():
         raise SystemExit("attention: needs bf16 KV on a CPU with AMX")
+    builds = {"tiles": attn.kernels, "vectors": cpu_kernels(("-mno-amx-tile",)),
+              "rows": RowByRow(attn.kernels)}
     rounds = first_tokens(engine, args.prefill or 8000, 4,
                           {k: partial(setattr, attn, "kernels", b) for k, b in builds.items()})
+    attn.kernels = builds["tiles"]
     return {"cpu": summary(), "prefill_tokens": args.prefill or 8000,
             **{name: {"min_ms": round(min(r), 1), "median_ms": round(sorted(r)[len(r) // 2], 1)}
                for name, r in rounds.items()}}

@@ -7,7 +7,7 @@
  * so each key and value row is read once per item. A prefill chunk's rows read
  * the same pages one after another, so those stay in cache; one row at a time
  * measured faster than torch's flash SDPA here from 64 to 2048-token chunks. With
- * AMX, runs of 16 rows of one sequence go to the tiles instead (amx_prefill).
+ * AVX-512 BF16, runs of 16 rows of one sequence go as blocks instead (prefill_blocks).
  *
  * Numerics follow the matmul path it replaces: products accumulate in float32;
  * for bfloat16 inputs the raw scores, the probabilities and the output are
@@ -199,50 +199,33 @@ static void softmax_bf16(float *sc, int n, int G, float scale, float *lse) {
 }
 
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define HAVE_AMX_PREFILL 1
-/* Prefill on AMX's tiles: blocks of 16 query rows of one sequence.
+#define HAVE_BLOCKED_PREFILL 1
+/* Prefill in blocks of 16 query rows of one sequence.
  *
  * One row at a time, a long prompt's attention is most of its prefill (an 8000-token
- * prompt of Gemma 3 270M: 7.7 of 10.8 s), and it multiplies one query by each key with
- * dot instructions. A block of 16 rows of one sequence shares its keys, so the scores are
- * a [16 x D] by [D x keys] product and the output a [16 x keys] by [keys x D] one: what
- * the tiles do, 8192 multiply-adds an instruction. The keys a sequence's blocks read are
- * laid out once a call (amx_pack_kv) in the tiles' pair form: K transposed, 16 keys by 32
- * dims a tile; V two keys interleaved, 32 keys by 16 dims a tile (zeros past the range).
- * Each row still attends to its own range [lo, lo + n): the softmax masks the rest of the
- * block's span, so causal and sliding windows need no mask tensor.
+ * prompt of Gemma 3 270M: 7.7 of 10.8 s on a Xeon), and each key is read and reduced once
+ * per row. A block of 16 rows of one sequence shares its keys, so the scores are a
+ * [16 x D] by [D x keys] product and the output a [16 x keys] by [keys x D] one. The keys
+ * a sequence's blocks read are laid out once a call (pack_kv) in AMX's pair form: K
+ * transposed, 16 keys by 32 dims a tile; V two keys interleaved, 32 keys by 16 dims a tile
+ * (zeros past the range). With AMX's tiles granted (kvs_amx_ready) the products are tile
+ * products (8192 multiply-adds an instruction); elsewhere vdpbf16ps reads the same layout
+ * with the 16 rows' values broadcast, 16 keys or dims to a vector, so no sum is reduced
+ * across a vector. Each row still attends to its own range [lo, lo + n): the softmax masks
+ * the rest of the block's span, so causal and sliding windows need no mask tensor.
  *
  * The rounding points are the row path's (scores to bf16, then scaled; softmax in float32;
  * probabilities to bf16; output summed in float32, rounded once): only the order of the
  * float32 sums differs. */
-int kvs_amx_ready(void); /* amx.c */
 #define QB 16 /* query rows a block */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) amx_config;
-
-static void amx_configure(void) { /* every tile 16 rows of 64 bytes */
-    amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 /* Keys [k0, k0 + nk) of one (sequence, KV head) from its pages into kt (per 16 keys, D / 32
  * tiles: row r holds dims 2r, 2r + 1 of each key) and vt (per 32 keys, D / 16 tiles: row r
  * holds keys 2r, 2r + 1 of each dim). kt, vt hold npad = nk rounded up to 32 keys; past nk
  * they are zero. */
-static void amx_pack_kv(const uint16_t *cache, int64_t s_page, int64_t s_kv, int64_t s_tok,
-                        int64_t s_head, const int32_t *tbl, int T, int h, int k0, int nk,
-                        int npad, int D, uint32_t *kt, uint16_t *vt) {
+static void pack_kv(const uint16_t *cache, int64_t s_page, int64_t s_kv, int64_t s_tok,
+                    int64_t s_head, const int32_t *tbl, int T, int h, int k0, int nk, int npad,
+                    int D, uint32_t *kt, uint16_t *vt) {
 #pragma omp for schedule(static)
     for (int i = 0; i < npad; i++) {
         uint32_t *kt_tile = kt + (size_t)(i / 16) * (D / 32) * 256 + i % 16;
@@ -262,6 +245,71 @@ static void amx_pack_kv(const uint16_t *cache, int64_t s_page, int64_t s_kv, int
         }
         for (int d = 0; d < D; d++) vt_tile[(d / 16) * 512 + (d % 16) * 2] = val[d];
     }
+}
+
+/* Value pair i of row r of a bf16 matrix (row stride ld elements), on every lane. */
+INLINE __m512bh pair_of(const uint16_t *x, int64_t ld, int r, int i) {
+    uint32_t v;
+    memcpy(&v, x + r * ld + 2 * i, 4);
+    return (__m512bh)_mm512_set1_epi32((int)v);
+}
+
+/* Scores of 16 rows (q: the block's first row, one head; row stride ldq elements) against
+ * key tiles [t0, t1) into s [16][span] float32, with vdpbf16ps: a key tile's dim pair j is
+ * one vector (its 16 keys), times row r's pair j broadcast. (8 rows by 2 key tiles a pass,
+ * a broadcast serving two products, measured no faster on a Xeon: vdpbf16ps bound.) */
+static void vec_scores(const uint16_t *q, int64_t ldq, const uint32_t *kt, int t0, int t1,
+                       int D, float *s, int span) {
+    for (int t = t0; t < t1; t++) {
+        const uint32_t *k = kt + (size_t)t * (D / 32) * 256;
+        __m512 acc[QB];
+        for (int r = 0; r < QB; r++) acc[r] = _mm512_setzero_ps();
+        for (int j = 0; j < D / 2; j++) {
+            const __m512bh kv = (__m512bh)_mm512_load_si512(k + 16 * j);
+            for (int r = 0; r < QB; r++) acc[r] = _mm512_dpbf16_ps(acc[r], pair_of(q, ldq, r, j), kv);
+        }
+        for (int r = 0; r < QB; r++) _mm512_storeu_ps(s + (size_t)r * span + (t - t0) * 16, acc[r]);
+    }
+}
+
+/* out [16][D] float32 = p [16][span] (bf16, key blocks [b0, b1)) @ V, with vdpbf16ps: a
+ * value tile's key pair i is one vector (its 16 dims), times row r's probability pair. */
+static void vec_values(const uint16_t *p, int span, const uint16_t *vt, int b0, int b1, int D,
+                       float *out) {
+    for (int dt = 0; dt < D / 16; dt++) {
+        __m512 acc[QB];
+        for (int r = 0; r < QB; r++) acc[r] = _mm512_setzero_ps();
+        for (int b = b0; b < b1; b++) {
+            const uint16_t *v = vt + ((size_t)b * (D / 16) + dt) * 512;
+            for (int i = 0; i < 16; i++) {
+                const __m512bh vv = (__m512bh)_mm512_load_si512(v + 32 * i);
+                for (int r = 0; r < QB; r++)
+                    acc[r] = _mm512_dpbf16_ps(acc[r], pair_of(p + (b - b0) * 32, span, r, i), vv);
+            }
+        }
+        for (int r = 0; r < QB; r++) _mm512_storeu_ps(out + (size_t)r * D + dt * 16, acc[r]);
+    }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+int kvs_amx_ready(void); /* amx.c */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_config;
+
+static void amx_configure(void) { /* every tile 16 rows of 64 bytes */
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
 }
 
 /* Scores of 16 rows (q: the block's first row, one head; row stride ldq elements) against
@@ -317,9 +365,11 @@ static void amx_values(const uint16_t *p, int span, const uint16_t *vt, int b0, 
     }
 }
 
+#endif
+
 /* softmax_bf16 for one row whose keys are s[a, b) of its span (overwritten): probabilities
  * as bf16 in p[0, span), zero outside [a, b); lse as there (-inf for an empty range). */
-static void amx_softmax_row(float *s, int a, int b, int span, float scale, uint16_t *p,
+static void softmax_row(float *s, int a, int b, int span, float scale, uint16_t *p,
                             float *lse) {
     memset(p, 0, (size_t)span * 2);
     if (a >= b) {
@@ -353,11 +403,37 @@ static void amx_softmax_row(float *s, int a, int b, int span, float scale, uint1
     }
 }
 
+/* Scores of a block's 16 rows of one head against key tiles [t0, t1), and its output from
+ * its probabilities, on the tiles or with vdpbf16ps. */
+static void scores(int tiles, const uint16_t *q, int64_t ldq, const uint32_t *kt, int t0,
+                   int t1, int D, float *s, int span) {
+#ifdef HAVE_AMX
+    if (tiles) {
+        amx_scores(q, ldq, kt, t0, t1, D, s, span);
+        return;
+    }
+#endif
+    (void)tiles;
+    vec_scores(q, ldq, kt, t0, t1, D, s, span);
+}
+
+static void values(int tiles, const uint16_t *p, int span, const uint16_t *vt, int b0, int b1,
+                   int D, float *out) {
+#ifdef HAVE_AMX
+    if (tiles) {
+        amx_values(p, span, vt, b0, b1, D, out);
+        return;
+    }
+#endif
+    (void)tiles;
+    vec_values(p, span, vt, b0, b1, D, out);
+}
+
 /* One block (rows r0 .. r0 + 15 of one sequence) and KV head h, its keys packed from k0. */
-static int amx_block(const uint16_t *q, int64_t q_sr, int64_t q_sh, const uint32_t *kt,
-                     const uint16_t *vt, int k0, const int32_t *lo, const int32_t *n_keys,
-                     int r0, int h, int G, int Hq, int D, float scale, uint16_t *out,
-                     float *lse) {
+static int prefill_block(int tiles, const uint16_t *q, int64_t q_sr, int64_t q_sh,
+                         const uint32_t *kt, const uint16_t *vt, int k0, const int32_t *lo,
+                         const int32_t *n_keys, int r0, int h, int G, int Hq, int D,
+                         float scale, uint16_t *out, float *lse) {
     int kmin = lo[r0], kmax = lo[r0] + n_keys[r0];
     for (int i = 1; i < QB; i++) {
         kmin = lo[r0 + i] < kmin ? lo[r0 + i] : kmin;
@@ -375,13 +451,14 @@ static int amx_block(const uint16_t *q, int64_t q_sr, int64_t q_sh, const uint32
     float *o = s + (size_t)QB * span;
     for (int g = 0; g < G; g++) {
         const int head = h * G + g;
-        if (b1 > b0) amx_scores(q + (size_t)r0 * q_sr + (size_t)head * q_sh, q_sr, kt, 2 * b0,
-                                2 * b1, D, s, span);
+        if (b1 > b0)
+            scores(tiles, q + (size_t)r0 * q_sr + (size_t)head * q_sh, q_sr, kt, 2 * b0, 2 * b1,
+                   D, s, span);
         for (int i = 0; i < QB; i++)
-            amx_softmax_row(s + (size_t)i * span, lo[r0 + i] - base,
-                            lo[r0 + i] + n_keys[r0 + i] - base, span, scale, p + (size_t)i * span,
-                            lse ? lse + (size_t)(r0 + i) * Hq + head : NULL);
-        if (b1 > b0) amx_values(p, span, vt, b0, b1, D, o);
+            softmax_row(s + (size_t)i * span, lo[r0 + i] - base,
+                        lo[r0 + i] + n_keys[r0 + i] - base, span, scale, p + (size_t)i * span,
+                        lse ? lse + (size_t)(r0 + i) * Hq + head : NULL);
+        if (b1 > b0) values(tiles, p, span, vt, b0, b1, D, o);
         else memset(o, 0, (size_t)QB * D * 4);
         for (int i = 0; i < QB; i++)
             store_row(out + ((size_t)(r0 + i) * Hq + head) * D, 0, o + (size_t)i * D, D, 1);
@@ -391,15 +468,21 @@ static int amx_block(const uint16_t *q, int64_t q_sr, int64_t q_sh, const uint32
     return 0;
 }
 
-/* The rows of runs of QB rows of one sequence, on the tiles (bf16, D a multiple of 32);
- * done[r] set for each row computed. Returns -1 if memory could not be had. */
-static int amx_prefill(const uint16_t *q, int64_t q_sr, int64_t q_sh, const uint16_t *cache,
-                       int64_t s_page, int64_t s_kv, int64_t s_tok, int64_t s_head,
-                       const int32_t *tables, int64_t tables_stride, const int32_t *seq,
-                       const int32_t *lo, const int32_t *n_keys, int R, int Hq, int Hkv, int D,
-                       int T, float scale, uint16_t *out, float *lse, int nthreads,
-                       uint8_t *done) {
+/* The rows of runs of QB rows of one sequence (bf16, D a multiple of 32), on the tiles where
+ * Linux granted them; done[r] set for each row computed. Returns -1 if memory could not be
+ * had. */
+static int prefill_blocks(const uint16_t *q, int64_t q_sr, int64_t q_sh, const uint16_t *cache,
+                          int64_t s_page, int64_t s_kv, int64_t s_tok, int64_t s_head,
+                          const int32_t *tables, int64_t tables_stride, const int32_t *seq,
+                          const int32_t *lo, const int32_t *n_keys, int R, int Hq, int Hkv,
+                          int D, int T, float scale, uint16_t *out, float *lse, int nthreads,
+                          uint8_t *done) {
     const int G = Hq / Hkv;
+#ifdef HAVE_AMX
+    const int tiles = kvs_amx_ready();
+#else
+    const int tiles = 0;
+#endif
     int failed = 0;
     for (int r = 0; r < R;) {
         int end = r;
@@ -426,17 +509,21 @@ static int amx_prefill(const uint16_t *q, int64_t q_sr, int64_t q_sh, const uint
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
         {
             for (int h = 0; h < Hkv; h++)
-                amx_pack_kv(cache, s_page, s_kv, s_tok, s_head, tbl, T, h, k0, nk, npad, D,
-                            kt + (size_t)h * npad * D / 2, vt + (size_t)h * npad * D);
-            amx_configure();
+                pack_kv(cache, s_page, s_kv, s_tok, s_head, tbl, T, h, k0, nk, npad, D,
+                        kt + (size_t)h * npad * D / 2, vt + (size_t)h * npad * D);
+#ifdef HAVE_AMX
+            if (tiles) amx_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
             for (int item = 0; item < blocks * Hkv; item++) {
                 const int b = item / Hkv, h = item % Hkv;
-                failed |= amx_block(q, q_sr, q_sh, kt + (size_t)h * npad * D / 2,
-                                    vt + (size_t)h * npad * D, k0, lo, n_keys, r + b * QB, h, G,
-                                    Hq, D, scale, out, lse);
+                failed |= prefill_block(tiles, q, q_sr, q_sh, kt + (size_t)h * npad * D / 2,
+                                        vt + (size_t)h * npad * D, k0, lo, n_keys, r + b * QB, h,
+                                        G, Hq, D, scale, out, lse);
             }
-            _tile_release();
+#ifdef HAVE_AMX
+            if (tiles) _tile_release();
+#endif
         }
         free(kt);
         free(vt);
@@ -446,7 +533,6 @@ static int amx_prefill(const uint16_t *q, int64_t q_sr, int64_t q_sh, const uint
     }
     return 0;
 }
-#endif
 
 /* Returns 0 where G has no instance (the caller takes the float32 path). */
 static int attend_bf16(int G, const uint16_t *q, const uint16_t *const *keys,
@@ -537,10 +623,10 @@ int kvs_paged_attention(
     const size_t esize = is_bf16 ? 2 : 4;
     int failed = 0;
     uint8_t *done = NULL; /* rows the tiles computed */
-#ifdef HAVE_AMX_PREFILL
-    if (is_bf16 && D % 32 == 0 && R >= QB && kvs_amx_ready()) {
+#ifdef HAVE_BLOCKED_PREFILL
+    if (is_bf16 && D % 32 == 0 && R >= QB) {
         done = calloc((size_t)R, 1);
-        if (!done || amx_prefill((const uint16_t *)q, q_sr, q_sh, (const uint16_t *)cache, s_page,
+        if (!done || prefill_blocks((const uint16_t *)q, q_sr, q_sh, (const uint16_t *)cache, s_page,
                                  s_kv, s_tok, s_head, tables, tables_stride, seq, lo, n_keys, R,
                                  Hq, Hkv, D, T, scale, (uint16_t *)out, lse, nthreads, done)) {
             free(done);
