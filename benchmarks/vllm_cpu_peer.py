@@ -14,7 +14,8 @@ It reports what offline_throughput.py fixed reports: output tok/s over the whole
 batch 32 (all prompts in one generate call) and single stream (one prompt), each with
 128 greedy tokens and EOS ignored, the median time to the first token of a prompt on an
 idle engine, and the load time; plus the first prompt's first 16 output ids, to compare
-greedy agreement with kvserve.
+greedy agreement with kvserve. With --long L, instead the time to the first token of 3
+fresh L-token prompts of random ids (offline_throughput.py attention's workload).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> None:
                                     "'fresh': 5 more no cache holds, for TTFT}")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--long", type=int, default=0, help="time L-token prompts' first token")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; 32 x 256 tokens need ~0.1
     from vllm import LLM, SamplingParams  # after the environment is set
@@ -41,9 +43,11 @@ def main() -> None:
         sets = json.load(f)
     prompts, fresh = ([{"prompt_token_ids": p} for p in sets[k]] for k in ("fixed", "fresh"))
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=32,
-              seed=0)
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=max(1024, args.long + 16),
+              max_num_seqs=32, seed=0)
     load_s = time.perf_counter() - t0
+    if args.long:
+        return print(json.dumps(long_prompts(llm, SamplingParams, args.long, load_s)))
     greedy = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
 
@@ -69,6 +73,23 @@ def main() -> None:
            "first_token_s": round(statistics.median(first), 4),
            "first_ids": list(outs[0].outputs[0].token_ids[:16])}
     print(json.dumps(out, indent=None if args.json else 2))
+
+
+def long_prompts(llm, SamplingParams, length: int, load_s: float) -> dict:  # noqa: N803
+    """Seconds to the first token of 3 fresh `length`-token prompts of random ids."""
+    import random
+
+    rng = random.Random(1)
+    llm.generate([{"prompt_token_ids": [rng.randrange(10, 200_000) for _ in range(64)]}],
+                 SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    first = []
+    for _ in range(3):
+        prompt = [rng.randrange(10, 200_000) for _ in range(length)]
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1),
+                     use_tqdm=False)
+        first.append(round(time.perf_counter() - t, 2))
+    return {"prompt_tokens": length, "first_token_s": first, "load_s": round(load_s, 1)}
 
 
 if __name__ == "__main__":

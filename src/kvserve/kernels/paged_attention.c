@@ -198,7 +198,6 @@ static void softmax_bf16(float *sc, int n, int G, float scale, float *lse) {
     }
 }
 
-
 #define HAVE_BLOCKED_PREFILL 1
 /* Prefill in blocks of 16 query rows of one sequence.
  *
@@ -312,59 +311,76 @@ static void amx_configure(void) { /* every tile 16 rows of 64 bytes */
     _tile_loadconfig(&cfg);
 }
 
-/* Scores of 16 rows (q: the block's first row, one head; row stride ldq elements) against
- * key tiles [t0, t1) into s [16][span] float32. */
-static void amx_scores(const uint16_t *q, int64_t ldq, const uint32_t *kt, int t0, int t1,
-                       int D, float *s, int span) {
-    for (int t = t0; t < t1; t += 4) {
-        const int nt = t1 - t < 4 ? t1 - t : 4;
+/* Scores of 16 rows of ng <= 4 heads (q: the block's first row of the first head; row
+ * stride ldq, head stride ldh elements) against key tiles [t0, t1) into s [ng][16][span]
+ * float32. The heads share each key tile (sums 0-3: one a head), so a long span's keys are
+ * read once a block rather than once a head. */
+static void amx_scores(const uint16_t *q, int64_t ldq, int64_t ldh, int ng, const uint32_t *kt,
+                       int t0, int t1, int D, float *s, int span) {
+    for (int t = t0; t < t1; t++) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int db = 0; db < D / 32; db++) {
-            _tile_loadd(4, q + db * 32, ldq * 2);
-            const uint32_t *b = kt + ((size_t)t * (D / 32) + db) * 256;
-            const size_t next = (size_t)(D / 32) * 256; /* the next key tile's */
-            _tile_loadd(5, b, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            if (nt > 1) { _tile_loadd(6, b + next, 64); _tile_dpbf16ps(1, 4, 6); }
-            if (nt > 2) { _tile_loadd(7, b + 2 * next, 64); _tile_dpbf16ps(2, 4, 7); }
-            if (nt > 3) { _tile_loadd(5, b + 3 * next, 64); _tile_dpbf16ps(3, 4, 5); }
+        for (int db = 0; db < D / 32; db += 2) { /* two sets of tiles: 4-5, then 6-7 */
+            const int two = db + 1 < D / 32;
+            const uint32_t *k = kt + ((size_t)t * (D / 32) + db) * 256;
+            const uint16_t *x = q + db * 32;
+            _tile_loadd(5, k, 64);
+            if (two) _tile_loadd(7, k + 256, 64);
+            for (int g = 0; g < ng; g++) {
+                _tile_loadd(4, x + g * ldh, ldq * 2);
+                if (two) _tile_loadd(6, x + g * ldh + 32, ldq * 2);
+                switch (g) {
+                case 0: _tile_dpbf16ps(0, 4, 5); if (two) _tile_dpbf16ps(0, 6, 7); break;
+                case 1: _tile_dpbf16ps(1, 4, 5); if (two) _tile_dpbf16ps(1, 6, 7); break;
+                case 2: _tile_dpbf16ps(2, 4, 5); if (two) _tile_dpbf16ps(2, 6, 7); break;
+                default: _tile_dpbf16ps(3, 4, 5); if (two) _tile_dpbf16ps(3, 6, 7);
+                }
+            }
         }
         float *o = s + (t - t0) * 16;
+        const size_t head = (size_t)QB * span;
         _tile_stored(0, o, span * 4);
-        if (nt > 1) _tile_stored(1, o + 16, span * 4);
-        if (nt > 2) _tile_stored(2, o + 32, span * 4);
-        if (nt > 3) _tile_stored(3, o + 48, span * 4);
+        if (ng > 1) _tile_stored(1, o + head, span * 4);
+        if (ng > 2) _tile_stored(2, o + 2 * head, span * 4);
+        if (ng > 3) _tile_stored(3, o + 3 * head, span * 4);
     }
 }
 
-/* out [16][D] float32 = p [16][span] (bf16, key blocks [b0, b1)) @ V. */
-static void amx_values(const uint16_t *p, int span, const uint16_t *vt, int b0, int b1, int D,
-                       float *out) {
-    for (int dt = 0; dt < D / 16; dt += 4) {
-        const int nd = D / 16 - dt < 4 ? D / 16 - dt : 4;
+/* out [ng][16][D] float32 = p [ng][16][span] (bf16, key blocks [b0, b1)) @ V: the heads
+ * share each value tile, as in amx_scores. */
+static void amx_values(const uint16_t *p, int span, int ng, const uint16_t *vt, int b0, int b1,
+                       int D, float *out) {
+    const size_t head = (size_t)QB * span;
+    for (int dt = 0; dt < D / 16; dt++) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int b = b0; b < b1; b++) {
-            _tile_loadd(4, p + (b - b0) * 32, span * 2);
-            const uint16_t *v = vt + ((size_t)b * (D / 16) + dt) * 512;
+        for (int b = b0; b < b1; b += 2) { /* two sets of tiles: 4-5, then 6-7 */
+            const int two = b + 1 < b1;
+            const uint16_t *v = vt + ((size_t)b * (D / 16) + dt) * 512, *x = p + (b - b0) * 32;
             _tile_loadd(5, v, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            if (nd > 1) { _tile_loadd(6, v + 512, 64); _tile_dpbf16ps(1, 4, 6); }
-            if (nd > 2) { _tile_loadd(7, v + 1024, 64); _tile_dpbf16ps(2, 4, 7); }
-            if (nd > 3) { _tile_loadd(5, v + 1536, 64); _tile_dpbf16ps(3, 4, 5); }
+            if (two) _tile_loadd(7, v + (size_t)(D / 16) * 512, 64);
+            for (int g = 0; g < ng; g++) {
+                _tile_loadd(4, x + g * head, span * 2);
+                if (two) _tile_loadd(6, x + g * head + 32, span * 2);
+                switch (g) {
+                case 0: _tile_dpbf16ps(0, 4, 5); if (two) _tile_dpbf16ps(0, 6, 7); break;
+                case 1: _tile_dpbf16ps(1, 4, 5); if (two) _tile_dpbf16ps(1, 6, 7); break;
+                case 2: _tile_dpbf16ps(2, 4, 5); if (two) _tile_dpbf16ps(2, 6, 7); break;
+                default: _tile_dpbf16ps(3, 4, 5); if (two) _tile_dpbf16ps(3, 6, 7);
+                }
+            }
         }
-        _tile_stored(0, out + dt * 16, D * 4);
-        if (nd > 1) _tile_stored(1, out + dt * 16 + 16, D * 4);
-        if (nd > 2) _tile_stored(2, out + dt * 16 + 32, D * 4);
-        if (nd > 3) _tile_stored(3, out + dt * 16 + 48, D * 4);
+        float *o = out + dt * 16;
+        _tile_stored(0, o, D * 4);
+        if (ng > 1) _tile_stored(1, o + QB * D, D * 4);
+        if (ng > 2) _tile_stored(2, o + 2 * QB * D, D * 4);
+        if (ng > 3) _tile_stored(3, o + 3 * QB * D, D * 4);
     }
 }
-
 #endif
 
 /* softmax_bf16 for one row whose keys are s[a, b) of its span (overwritten): probabilities
@@ -403,30 +419,32 @@ static void softmax_row(float *s, int a, int b, int span, float scale, uint16_t 
     }
 }
 
-/* Scores of a block's 16 rows of one head against key tiles [t0, t1), and its output from
- * its probabilities, on the tiles or with vdpbf16ps. */
-static void scores(int tiles, const uint16_t *q, int64_t ldq, const uint32_t *kt, int t0,
-                   int t1, int D, float *s, int span) {
+/* Scores of a block's 16 rows of ng heads against key tiles [t0, t1), and their outputs
+ * from their probabilities, on the tiles or with vdpbf16ps (a head at a time). */
+static void scores(int tiles, const uint16_t *q, int64_t ldq, int64_t ldh, int ng,
+                   const uint32_t *kt, int t0, int t1, int D, float *s, int span) {
 #ifdef HAVE_AMX
     if (tiles) {
-        amx_scores(q, ldq, kt, t0, t1, D, s, span);
+        amx_scores(q, ldq, ldh, ng, kt, t0, t1, D, s, span);
         return;
     }
 #endif
     (void)tiles;
-    vec_scores(q, ldq, kt, t0, t1, D, s, span);
+    for (int g = 0; g < ng; g++)
+        vec_scores(q + g * ldh, ldq, kt, t0, t1, D, s + (size_t)g * QB * span, span);
 }
 
-static void values(int tiles, const uint16_t *p, int span, const uint16_t *vt, int b0, int b1,
-                   int D, float *out) {
+static void values(int tiles, const uint16_t *p, int span, int ng, const uint16_t *vt, int b0,
+                   int b1, int D, float *out) {
 #ifdef HAVE_AMX
     if (tiles) {
-        amx_values(p, span, vt, b0, b1, D, out);
+        amx_values(p, span, ng, vt, b0, b1, D, out);
         return;
     }
 #endif
     (void)tiles;
-    vec_values(p, span, vt, b0, b1, D, out);
+    for (int g = 0; g < ng; g++)
+        vec_values(p + (size_t)g * QB * span, span, vt, b0, b1, D, out + (size_t)g * QB * D);
 }
 
 /* One block (rows r0 .. r0 + 15 of one sequence) and KV head h, its keys packed from k0. */
@@ -441,27 +459,33 @@ static int prefill_block(int tiles, const uint16_t *q, int64_t q_sr, int64_t q_s
     }
     const int b0 = (kmin - k0) / 32, b1 = kmax > kmin ? (kmax - k0 + 31) / 32 : b0;
     const int span = (b1 - b0) * 32 > 32 ? (b1 - b0) * 32 : 32, base = k0 + b0 * 32;
-    float *s = aligned_alloc(64, (size_t)QB * span * 4 + (size_t)QB * D * 4);
-    uint16_t *p = aligned_alloc(64, (size_t)QB * span * 2);
+    const int ng = G % 4 == 0 ? 4 : G % 3 == 0 ? 3 : G % 2 == 0 ? 2 : 1; /* heads a pass */
+    float *s = aligned_alloc(64, (size_t)ng * QB * (span + D) * 4);
+    uint16_t *p = aligned_alloc(64, (size_t)ng * QB * span * 2);
     if (!s || !p) {
         free(s);
         free(p);
         return -1;
     }
-    float *o = s + (size_t)QB * span;
-    for (int g = 0; g < G; g++) {
-        const int head = h * G + g;
+    float *o = s + (size_t)ng * QB * span;
+    for (int g0 = 0; g0 < G; g0 += ng) {
+        const int head0 = h * G + g0;
         if (b1 > b0)
-            scores(tiles, q + (size_t)r0 * q_sr + (size_t)head * q_sh, q_sr, kt, 2 * b0, 2 * b1,
-                   D, s, span);
-        for (int i = 0; i < QB; i++)
-            softmax_row(s + (size_t)i * span, lo[r0 + i] - base,
-                        lo[r0 + i] + n_keys[r0 + i] - base, span, scale, p + (size_t)i * span,
-                        lse ? lse + (size_t)(r0 + i) * Hq + head : NULL);
-        if (b1 > b0) values(tiles, p, span, vt, b0, b1, D, o);
-        else memset(o, 0, (size_t)QB * D * 4);
-        for (int i = 0; i < QB; i++)
-            store_row(out + ((size_t)(r0 + i) * Hq + head) * D, 0, o + (size_t)i * D, D, 1);
+            scores(tiles, q + (size_t)r0 * q_sr + (size_t)head0 * q_sh, q_sr, q_sh, ng, kt,
+                   2 * b0, 2 * b1, D, s, span);
+        for (int g = 0; g < ng; g++)
+            for (int i = 0; i < QB; i++) {
+                const int r = r0 + i;
+                const size_t row = (size_t)g * QB + i;
+                softmax_row(s + row * span, lo[r] - base, lo[r] + n_keys[r] - base, span, scale,
+                            p + row * span, lse ? lse + (size_t)r * Hq + head0 + g : NULL);
+            }
+        if (b1 > b0) values(tiles, p, span, ng, vt, b0, b1, D, o);
+        else memset(o, 0, (size_t)ng * QB * D * 4);
+        for (int g = 0; g < ng; g++)
+            for (int i = 0; i < QB; i++)
+                store_row(out + ((size_t)(r0 + i) * Hq + head0 + g) * D, 0,
+                          o + ((size_t)g * QB + i) * D, D, 1);
     }
     free(s);
     free(p);
