@@ -65,16 +65,15 @@ void kvs_amx_pack(const uint16_t *w, int64_t N, int K, uint16_t *out, int thread
         }
 }
 
-static void configure(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+/* Every tile 16 rows of 64 bytes: what this kernel and paged_attention.c's blocks use. The
+ * configuration is constant data: GCC 12 drops stores to a local one as dead when this is
+ * an out-of-line function (it does not see ldtilecfg read all 64 bytes), and the tiles
+ * then fault. */
+static const tile_config CONFIG = {.palette = 1,
+                                   .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+                                   .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+
+void kvs_amx_configure(void) { _tile_loadconfig(&CONFIG); }
 
 /* rows x 16 float32 sums (in `sums`, 16 floats a row) -> bfloat16 rows of y, from two
  * stripes at once when `hi` is not NULL (32 columns, one 64-byte store a row). */
@@ -152,7 +151,7 @@ int kvs_amx_matmul(const uint16_t *w, const void *unused, const uint16_t *x, int
     }
 #pragma omp parallel num_threads(threads)
     {
-        configure();
+        kvs_amx_configure();
         float sums[4][256] __attribute__((aligned(64)));
         for (int m0 = 0; m0 < Mp; m0 += ROW_BLOCK) {
             const int m1 = Mp - m0 < ROW_BLOCK ? Mp : m0 + ROW_BLOCK;

@@ -168,34 +168,36 @@ INLINE __m512 bf16_round512(__m512 x) {  /* round to nearest even, keep as float
     return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-/* softmax() for bf16 scores, 16 at a time (scores are finite: no NaN handling needed) */
-static void softmax_bf16(float *sc, int n, int G, float scale, float *lse) {
-    for (int g = 0; g < G; g++) {
-        float *s = sc + (size_t)g * n;
-        __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-        for (int i = 0; i < n; i += 16) {
-            const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
-            __m512 x = _mm512_maskz_loadu_ps(k, s + i);
-            x = _mm512_mul_ps(bf16_round512(x), _mm512_set1_ps(scale));
-            _mm512_mask_storeu_ps(s + i, k, x);
-            m = _mm512_mask_max_ps(m, k, m, x);
-        }
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-        for (int i = 0; i < n; i += 16) {
-            const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
-            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mx));
-            _mm512_mask_storeu_ps(s + i, k, e);
-            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
-        }
-        const float total = _mm512_reduce_add_ps(sum);
-        if (lse) lse[g] = _mm512_reduce_max_ps(m) + logf(total);
-        const __m512 inv = _mm512_set1_ps(1.f / total);
-        for (int i = 0; i < n; i += 16) {
-            const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
-            const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv);
-            _mm512_mask_storeu_ps(s + i, k, bf16_round512(x));
-        }
+/* softmax() of one row of n bf16 scores in place, 16 at a time (scores are finite: no NaN
+ * handling needed): the probabilities, rounded to bf16, as floats. */
+static void softmax_span(float *s, int n, float scale, float *lse) {
+    __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 x = _mm512_maskz_loadu_ps(k, s + i);
+        x = _mm512_mul_ps(bf16_round512(x), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(s + i, k, x);
+        m = _mm512_mask_max_ps(m, k, m, x);
     }
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mx));
+        _mm512_mask_storeu_ps(s + i, k, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+    }
+    const float total = _mm512_reduce_add_ps(sum);
+    if (lse) *lse = _mm512_reduce_max_ps(m) + logf(total);
+    const __m512 inv = _mm512_set1_ps(1.f / total);
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv);
+        _mm512_mask_storeu_ps(s + i, k, bf16_round512(x));
+    }
+}
+
+static void softmax_bf16(float *sc, int n, int G, float scale, float *lse) {
+    for (int g = 0; g < G; g++) softmax_span(sc + (size_t)g * n, n, scale, lse ? lse + g : NULL);
 }
 
 #define HAVE_BLOCKED_PREFILL 1
@@ -292,24 +294,8 @@ static void vec_values(const uint16_t *p, int span, const uint16_t *vt, int b0, 
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
-int kvs_amx_ready(void); /* amx.c */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) amx_config;
-
-static void amx_configure(void) { /* every tile 16 rows of 64 bytes */
-    amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+int kvs_amx_ready(void);      /* amx.c */
+void kvs_amx_configure(void); /* amx.c: every tile 16 rows of 64 bytes */
 
 /* Scores of 16 rows of ng <= 4 heads (q: the block's first row of the first head; row
  * stride ldq, head stride ldh elements) against key tiles [t0, t1) into s [ng][16][span]
@@ -383,39 +369,20 @@ static void amx_values(const uint16_t *p, int span, int ng, const uint16_t *vt, 
 }
 #endif
 
-/* softmax_bf16 for one row whose keys are s[a, b) of its span (overwritten): probabilities
+/* softmax_span for one row whose keys are s[a, b) of its span (overwritten): probabilities
  * as bf16 in p[0, span), zero outside [a, b); lse as there (-inf for an empty range). */
 static void softmax_row(float *s, int a, int b, int span, float scale, uint16_t *p,
-                            float *lse) {
+                        float *lse) {
     memset(p, 0, (size_t)span * 2);
     if (a >= b) {
         if (lse) *lse = -INFINITY;
         return;
     }
-    __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-    for (int i = a; i < b; i += 16) {
+    softmax_span(s + a, b - a, scale, lse);
+    for (int i = a; i < b; i += 16) { /* bf16-exact already: the top halves */
         const __mmask16 k = b - i >= 16 ? 0xffff : (__mmask16)((1u << (b - i)) - 1);
-        const __m512 v = _mm512_mul_ps(bf16_round512(_mm512_maskz_loadu_ps(k, s + i)),
-                                       _mm512_set1_ps(scale));
-        _mm512_mask_storeu_ps(s + i, k, v);
-        m = _mm512_mask_max_ps(m, k, m, v);
-    }
-    const float top = _mm512_reduce_max_ps(m);
-    for (int i = a; i < b; i += 16) {
-        const __mmask16 k = b - i >= 16 ? 0xffff : (__mmask16)((1u << (b - i)) - 1);
-        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i),
-                                                       _mm512_set1_ps(top)));
-        _mm512_mask_storeu_ps(s + i, k, e);
-        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
-    }
-    const float total = _mm512_reduce_add_ps(sum);
-    if (lse) *lse = top + logf(total);
-    const __m512 inv = _mm512_set1_ps(1.f / total);
-    for (int i = a; i < b; i += 16) {
-        const __mmask16 k = b - i >= 16 ? 0xffff : (__mmask16)((1u << (b - i)) - 1);
-        const __m512 pr = bf16_round512(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv));
-        _mm256_mask_storeu_epi16(p + i, k, _mm512_cvtepi32_epi16(
-                                               _mm512_srli_epi32(_mm512_castps_si512(pr), 16)));
+        const __m512i x = _mm512_castps_si512(_mm512_maskz_loadu_ps(k, s + i));
+        _mm256_mask_storeu_epi16(p + i, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
     }
 }
 
@@ -536,7 +503,7 @@ static int prefill_blocks(const uint16_t *q, int64_t q_sr, int64_t q_sh, const u
                 pack_kv(cache, s_page, s_kv, s_tok, s_head, tbl, T, h, k0, nk, npad, D,
                         kt + (size_t)h * npad * D / 2, vt + (size_t)h * npad * D);
 #ifdef HAVE_AMX
-            if (tiles) amx_configure();
+            if (tiles) kvs_amx_configure();
 #endif
 #pragma omp for schedule(dynamic, 1)
             for (int item = 0; item < blocks * Hkv; item++) {
