@@ -347,9 +347,13 @@ def gemms(args: argparse.Namespace) -> dict:
                     engine.step()
                 rounds[name].append((time.perf_counter() - t0) / 15 * 1e3)
         what = {"rows": args.num_prompts}
-    return {"cpu": summary(), **what,
-            **{name: {"min_ms": round(min(r), 1), "median_ms": round(sorted(r)[len(r) // 2], 1)}
-               for name, r in rounds.items()}}
+    return {"cpu": summary(), **what, **spread(rounds)}
+
+
+def spread(rounds: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Each setup's min and median of its rounds, ms."""
+    return {name: {"min_ms": round(min(r), 1), "median_ms": round(sorted(r)[len(r) // 2], 1)}
+            for name, r in rounds.items()}
 
 
 def first_tokens(engine: LLMEngine, length: int, rounds: int,
@@ -388,12 +392,11 @@ def attention(args: argparse.Namespace) -> dict:
         raise SystemExit("attention: needs bf16 KV on a CPU with AMX")
     builds = {"tiles": attn.kernels, "vectors": cpu_kernels(("-mno-amx-tile",)),
               "rows": RowByRow(attn.kernels)}
-    rounds = first_tokens(engine, args.prefill or 8000, 4,
+    length = args.prefill or 8000
+    rounds = first_tokens(engine, length, 4,
                           {k: partial(setattr, attn, "kernels", b) for k, b in builds.items()})
     attn.kernels = builds["tiles"]
-    return {"cpu": summary(), "prefill_tokens": args.prefill or 8000,
-            **{name: {"min_ms": round(min(r), 1), "median_ms": round(sorted(r)[len(r) // 2], 1)}
-               for name, r in rounds.items()}}
+    return {"cpu": summary(), "prefill_tokens": length, **spread(rounds)}
 
 
 def main() -> None:
