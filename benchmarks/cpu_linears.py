@@ -4,8 +4,9 @@
         [--cold 96]
 
 Candidates: float32 F.linear; bf16 F.linear (oneDNN, native only with AVX-512 BF16/AMX);
-bf16 packed (oneDNN's prepacked weight: q8+bf16 above 16 rows where the CPU has no AMX);
-amx bf16 (our AMX tile kernel, kernels/amx.c: q8+bf16 above 4 rows with AMX); int8 blocks
+bf16 packed (oneDNN's prepacked weight: what q8+bf16 ran above its Q8_0 rows before our
+kernel); bf16 kernel (ours, kernels/bf16gemm.c: AMX's tiles, or vdpbf16ps where the CPU has
+AVX-512 BF16 but no tiles; q8+bf16 above its Q8_0 rows); int8 blocks
 (both sides in int8 blocks of 32 through VNNI: q8+int8 above 16 rows); fbgemm fp16 and
 dynamic int8 (what --quantization fp16/int8 run); our Q8_0 and Q5_0 kernels (q8, q5: what
 q8 serves a GGUF's Q5_0 tensors with);
@@ -97,17 +98,16 @@ def bf16_linear(w: torch.Tensor):
 
 
 def bf16_packed_linear(w: torch.Tensor):
-    """What q8+bf16 runs above 16 rows without AMX: oneDNN's prepacked bf16 weight, bf16
-    rows."""
+    """oneDNN's prepacked bf16 weight, bf16 rows (Bf16Gemm where our kernel does not run)."""
     wp = pack_weight(w.bfloat16())
     return lambda x: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), wp, None, "none", [], "")
 
 
-def amx_linear(w: torch.Tensor):
-    """What q8+bf16 runs above 4 rows with AMX (Bf16Gemm: our tile kernel), bf16 rows."""
+def kernel_linear(w: torch.Tensor):
+    """What q8+bf16 runs above its Q8_0 rows (Bf16Gemm: our kernel), bf16 rows."""
     gemm = Bf16Gemm(w.bfloat16())
-    if not gemm.on_amx:
-        raise SystemExit("amx bf16: this CPU (or this build) has no AMX tiles")
+    if not gemm.on_kernel:
+        raise SystemExit("bf16 kernel: this CPU (or this build) has no native bf16")
     return lambda x: gemm(x.bfloat16().contiguous())
 
 
@@ -122,7 +122,7 @@ MAKERS = {
     "f32": lambda w: lambda x: torch.nn.functional.linear(x, w),
     "bf16": bf16_linear,
     "bf16 packed": bf16_packed_linear,
-    "amx bf16": amx_linear,
+    "bf16 kernel": kernel_linear,
     "int8 blocks": i8_linear,
     "onednn int8": onednn_int8_linear,
     # the same with the first 128 input channels in bf16 (in the model: the 128 largest of

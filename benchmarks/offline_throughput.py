@@ -219,9 +219,10 @@ def _timed(totals: dict[str, float], name: str, fn):
 def machine_limits() -> dict:
     """What the step figures are held against: DRAM read bandwidth (a float32 sum over
     1 GiB, all threads) and a GEMM rate (Gemma 3 270M's head shape, 128 rows, in the
-    dtype and path the engine takes for batches: Bf16Gemm where bf16 is native (our AMX
+    dtype and path the engine takes for batches: Bf16Gemm where bf16 is native (our
     kernel, else oneDNN's packed copy), else fbgemm fp16)."""
     from kvserve.cpu_features import bf16_native
+    from kvserve.kernels.cpu import cpu_kernels
     from kvserve.models.quant import Bf16Gemm, quantized
 
     def best(fn, n: int = 3) -> float:
@@ -240,7 +241,9 @@ def machine_limits() -> dict:
     if bf16_native():
         wb, ab = Bf16Gemm(w.bfloat16()), a.bfloat16()
         gemm = best(lambda: wb(ab))
-        how = "AMX tiles, bf16 (kernels/amx.c)" if wb.on_amx else "oneDNN bf16, packed"
+        tiles = wb.on_kernel and cpu_kernels().amx_ready()
+        how = ("oneDNN bf16, packed" if not wb.on_kernel else
+               f"our bf16 GEMM, {'AMX tiles' if tiles else 'vdpbf16ps'} (kernels/bf16gemm.c)")
     else:
         q = quantized(w, "fp16")
         gemm, how = best(lambda: q(a)), "fbgemm fp16"
@@ -305,10 +308,11 @@ def breakdown(args: argparse.Namespace) -> dict:
 
 
 def gemms(args: argparse.Namespace) -> dict:
-    """Decode steps of --num-prompts fixed prompts with q8+bf16's bf16 copies on our AMX
-    kernel, then on oneDNN's, swapped in the same engine round by round (a busy host slows
-    both alike): ms a step, min and median of 8 rounds of 15 steps each. With --prefill L,
-    instead the time to the first token of a fresh L-token prompt (6 rounds)."""
+    """Decode steps of --num-prompts fixed prompts with q8+bf16's bf16 copies on our kernel
+    (kernels/bf16gemm.c), then on oneDNN's, swapped in the same engine round by round (a
+    busy host slows both alike): ms a step, min and median of 8 rounds of 15 steps each.
+    With --prefill L, instead the time to the first token of a fresh L-token prompt (6
+    rounds)."""
     from kvserve.models.quant import Bf16Gemm, Q8Bf16Linear
 
     engine = load(args, 1 << 30)
@@ -317,12 +321,12 @@ def gemms(args: argparse.Namespace) -> dict:
     layers = [m.quant for m in model.modules() if isinstance(getattr(m, "quant", None),
                                                             Q8Bf16Linear)]
     layers += [q for q in [model.quant_head] if isinstance(q, Q8Bf16Linear)]
-    copies = {"amx": [q.packed for q in layers], "onednn": []}
-    if not all(g.on_amx for g in copies["amx"]):
-        raise SystemExit("gemms: needs q8+bf16 on a CPU with AMX")
-    for g in copies["amx"]:  # the plain weight back, exactly: identity rows pick it out
+    copies = {"ours": [q.packed for q in layers], "onednn": []}
+    if not all(g.on_kernel for g in copies["ours"]):
+        raise SystemExit("gemms: needs q8+bf16 on a CPU with native bf16 and the C kernels")
+    for g in copies["ours"]:  # the plain weight back, exactly: identity rows pick it out
         weight = g(torch.eye(g.in_features, dtype=torch.bfloat16)).T.contiguous()
-        copies["onednn"].append(Bf16Gemm(weight, use_amx=False))
+        copies["onednn"].append(Bf16Gemm(weight, use_kernel=False))
     rounds: dict[str, list[float]] = {k: [] for k in copies}
 
     def use(name: str) -> None:
@@ -388,14 +392,16 @@ def attention(args: argparse.Namespace) -> dict:
     engine = load(args, 1 << 30)
     warm(engine)
     attn = engine.runner.attn
-    if attn.kernels is None or not attn.kernels.amx_ready():
-        raise SystemExit("attention: needs bf16 KV on a CPU with AMX")
-    builds = {"tiles": attn.kernels, "vectors": cpu_kernels(("-mno-amx-tile",)),
-              "rows": RowByRow(attn.kernels)}
+    if attn.kernels is None:
+        raise SystemExit("attention: needs bf16 KV (the kernel's blocks are bf16)")
+    own = attn.kernels
+    builds = ({"tiles": own, "vectors": cpu_kernels(("-mno-amx-tile",))} if own.amx_ready()
+              else {"vectors": own})  # no tiles granted: the machine's build is the vectors
+    builds["rows"] = RowByRow(own)
     length = args.prefill or 8000
     rounds = first_tokens(engine, length, 4,
                           {k: partial(setattr, attn, "kernels", b) for k, b in builds.items()})
-    attn.kernels = builds["tiles"]
+    attn.kernels = own
     return {"cpu": summary(), "prefill_tokens": length, **spread(rounds)}
 
 

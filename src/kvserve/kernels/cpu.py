@@ -87,8 +87,9 @@ _SIGNATURES = {
     "kvs_i8_pack": (None, [_VP, _I64, _INT, _VP, _VP, _INT]),
     "kvs_i8_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT, _INT]),
     "kvs_amx_ready": (_INT, []),
-    "kvs_amx_pack": (None, [_VP, _I64, _INT, _VP, _INT]),
-    "kvs_amx_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT, _INT]),
+    "kvs_bf16_ready": (_INT, []),
+    "kvs_bf16_pack": (None, [_VP, _I64, _INT, _VP, _INT]),
+    "kvs_bf16_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT, _INT]),
 }
 
 
@@ -315,25 +316,33 @@ class CpuKernels:
                        (d, torch.float32), N, K)
 
     def amx_ready(self) -> bool:
-        """Whether kvs_amx_matmul runs here: built with AMX-BF16 and granted the tiles."""
+        """Whether AMX's tiles run here (bf16_bound's GEMM, the attention's blocks): built
+        with AMX-BF16 and granted the tiles."""
         return bool(self.lib.kvs_amx_ready())
 
-    def amx_pack(self, w: torch.Tensor) -> torch.Tensor:
-        """A bfloat16 weight [N, K] (N a multiple of 16, K of 32) in amx_bound's tile layout
-        (kernels/amx.c, kvs_amx_pack): as many bytes, not row-major."""
+    def bf16_ready(self) -> bool:
+        """Whether bf16_bound's GEMM runs here: built with AVX-512 BF16 (vectors), AMX's
+        tiles where granted."""
+        return bool(self.lib.kvs_bf16_ready())
+
+    def bf16_pack(self, w: torch.Tensor) -> torch.Tensor:
+        """A bfloat16 weight [N, K] (N a multiple of 16, K of 32) in bf16_bound's layout
+        (kernels/bf16gemm.c, kvs_bf16_pack): as many bytes, not row-major."""
         N, K = w.shape
-        if K % 32 or N % 16 or not self.amx_ready():
-            raise ValueError("amx_pack: w [N, K], N a multiple of 16, K of 32, on AMX")
+        if K % 32 or N % 16 or not self.bf16_ready():
+            raise ValueError("bf16_pack: w [N, K], N a multiple of 16, K of 32, on a build "
+                             "with native bf16")
         out = torch.empty((N, K), dtype=torch.bfloat16)
-        self.lib.kvs_amx_pack(_ptr(w, torch.bfloat16), N, K, out.data_ptr(),
-                              torch.get_num_threads())
+        self.lib.kvs_bf16_pack(_ptr(w, torch.bfloat16), N, K, out.data_ptr(),
+                               torch.get_num_threads())
         return out
 
-    def amx_bound(self, packed: torch.Tensor) -> QMatmul:
-        """x [M, K] bfloat16 (unit stride in K) @ W.T -> [M, N] bfloat16 on AMX tiles, for W
-        packed by amx_pack (bitwise oneDNN's result at Gemma 3's shapes)."""
+    def bf16_bound(self, packed: torch.Tensor) -> QMatmul:
+        """x [M, K] bfloat16 (unit stride in K) @ W.T -> [M, N] bfloat16 for W packed by
+        bf16_pack: on AMX's tiles or with vdpbf16ps (oneDNN's products and float32 order at
+        Gemma 3's width, to a rounding in ten thousand)."""
         N, K = packed.shape
-        return QMatmul(self.lib.kvs_amx_matmul, "amx_matmul", (packed, torch.bfloat16), None,
+        return QMatmul(self.lib.kvs_bf16_matmul, "bf16_matmul", (packed, torch.bfloat16), None,
                        N, K)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -347,9 +356,9 @@ class CpuKernels:
 
 
 class QMatmul:
-    """kvs_q8_matmul, kvs_q5_matmul, kvs_i8_matmul or kvs_amx_matmul bound to one packed
+    """kvs_q8_matmul, kvs_q5_matmul, kvs_i8_matmul or kvs_bf16_matmul bound to one packed
     weight (its blocks and scales, each with the dtype the kernel reads, kept alive here; the
-    AMX kernel has no scales and takes bfloat16 only): x [M, K] float32 or bfloat16, unit
+    bf16 kernel has no scales and takes bfloat16 only): x [M, K] float32 or bfloat16, unit
     stride in K -> x @ W.T [M, N] in x's dtype. A layer binds
     its weight once, so each of a decode step's 73 calls checks only x (a loop of o_proj
     calls at one row: 5-10 us less a call; a whole step showed no change, docs)."""

@@ -294,8 +294,8 @@ static void vec_values(const uint16_t *p, int span, const uint16_t *vt, int b0, 
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
-int kvs_amx_ready(void);      /* amx.c */
-void kvs_amx_configure(void); /* amx.c: every tile 16 rows of 64 bytes */
+int kvs_amx_ready(void);      /* bf16gemm.c */
+void kvs_amx_configure(void); /* bf16gemm.c: every tile 16 rows of 64 bytes */
 
 /* Scores of 16 rows of ng <= 4 heads (q: the block's first row of the first head; row
  * stride ldq, head stride ldh elements) against key tiles [t0, t1) into s [ng][16][span]

@@ -108,30 +108,33 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 class Bf16Gemm:
     """A bf16 CPU weight [N, K] packed for native bf16 GEMMs (as much memory as the weight):
-    rows [M, K] bfloat16 -> [M, N] bfloat16. Where the CPU has AMX, our tile kernel
-    (kernels/amx.c) over its own layout: it reads the weights at up to twice oneDNN's rate at
-    decode-sized steps and gives the same sums. Elsewhere (AVX-512 BF16 without AMX, or a
-    shape it does not take), or with use_amx=False (benchmarks comparing the two), oneDNN's
-    blocked copy."""
+    rows [M, K] bfloat16 -> [M, N] bfloat16. Our kernel (kernels/bf16gemm.c: AMX's tiles
+    where granted, AVX-512 BF16's vdpbf16ps elsewhere) over its own layout, where the build
+    has either: at decode-sized steps it overlaps the weights' read with the products that
+    oneDNN's calls do one after the other (up to twice oneDNN's rate on AMX, 1.3-1.5x with
+    vectors at 32 rows; level with it at prefill's 2048) and gives the same sums. Elsewhere
+    (a shape it does not take), or with use_kernel=False (benchmarks comparing the two),
+    oneDNN's blocked copy."""
 
-    def __init__(self, weight: torch.Tensor, use_amx: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, use_kernel: bool = True) -> None:
         self.out_features, self.in_features = weight.shape
-        kernels = cpu_kernels() if use_amx and amx() else None
-        if (kernels is not None and kernels.amx_ready() and self.out_features % 16 == 0
+        kernels = cpu_kernels() if use_kernel else None
+        if (kernels is not None and kernels.bf16_ready() and self.out_features % 16 == 0
                 and self.in_features % 32 == 0):
-            self._amx, self._onednn = kernels.amx_bound(kernels.amx_pack(weight.contiguous())), None
+            self._own = kernels.bf16_bound(kernels.bf16_pack(weight.contiguous()))
+            self._onednn = None
         else:
-            self._amx, self._onednn = None, pack_weight(weight)
+            self._own, self._onednn = None, pack_weight(weight)
 
     @property
-    def on_amx(self) -> bool:
-        """Whether this copy runs on our AMX kernel (else on oneDNN)."""
-        return self._amx is not None
+    def on_kernel(self) -> bool:
+        """Whether this copy runs on our kernel (else on oneDNN)."""
+        return self._own is not None
 
     def __call__(self, rows: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self._amx is None:
+        if self._own is None:
             return torch.ops.mkldnn._linear_pointwise(rows, self._onednn, bias, "none", [], "")
-        y = self._amx(rows)
+        y = self._own(rows)
         return y if bias is None else y + bias
 
 
@@ -340,17 +343,19 @@ class SplitLinear:
 
 class Q8Bf16Linear(SplitLinear):
     """Q8_0 for steps of up to SMALL rows, a native bf16 GEMM (Bf16Gemm) above, on CPUs
-    that compute bf16 natively. Measured on a 2-core Zen 4 EPYC (AVX-512 BF16 and VNNI) for
-    Gemma 3 270M's shapes: at one row Q8_0 is 2.5-3x faster (the step reads the weights,
-    and Q8_0 is 1.125 bytes a weight against bf16's 2); from 16-32 rows oneDNN's bf16
-    dot products win (1.3-2x at 32), as our int16 kernel spends as many instructions
-    scaling each block as multiplying it. Two copies: 3.125 bytes a weight."""
+    that compute bf16 natively. At one row Q8_0 is 1.5-2x faster (the step reads the
+    weights, and Q8_0 is 1.125 bytes a weight against bf16's 2; a Q5_0 weight's own blocks
+    0.69); from 8-16 rows the bf16 dot products win, as our int16 kernel spends as many
+    instructions scaling each block as multiplying it. Two copies: 3.125 bytes a weight."""
 
-    # With AMX, bf16 tiles pass the kernel from 5-8 rows (a 2-core Xeon, Gemma 3 270M's
-    # shapes, cpu_linears.py, oneDNN's tiles: at 8 rows qkv 0.068 vs 0.118 ms, down 0.099
-    # vs 0.163, head 13.2 vs 13.2; at 4 the kernel still wins or ties: head 8.3 vs 13.0 ms,
-    # and the head's 4 rows read 335 MB as bf16 against 189 as Q8_0 whichever GEMM runs).
-    SMALL = 4 if amx() else 16
+    # Where the bf16 GEMM passes Q8_0, Gemma 3 270M's shapes, 2 cores, weights from DRAM
+    # (cpu_linears.py --cold 96). AMX tiles from 5-8 rows (a Xeon: at 8 rows qkv 0.068 vs
+    # 0.118 ms, down 0.099 vs 0.163, head 13.2 vs 13.2; at 4 the kernel still wins or ties:
+    # head 8.3 vs 13.0 ms, and the head's 4 rows read 335 MB as bf16 against 189 as Q8_0
+    # whichever GEMM runs). vdpbf16ps from 9-16 rows (a Zen 5: at 8 rows level, qkv 0.058
+    # vs Q8_0's 0.058 and Q5_0's 0.049, down 0.070 vs 0.076; at 16 qkv 0.061 vs 0.094,
+    # gate_up 0.153 vs 0.281).
+    SMALL = 4 if amx() else 8
 
     def __init__(self, weight: torch.Tensor, small: Q5Linear | None = None) -> None:
         self.q8 = small or Q8Linear(weight)  # a Q5_0 weight's own blocks
@@ -473,7 +478,7 @@ def serves_i8_head(mode: str, out_features: int) -> bool:
     98.89% where int8 ones had 98.47% (docs/benchmarks.md). Two copies, 2.25 bytes a
     weight, against q8+bf16's Q8_0 copy and oneDNN's blocked bf16 one (3.125). With AMX,
     q8+bf16 keeps its own split instead (Q8_0 up to 4 rows, bf16 tiles above; these
-    figures are oneDNN's tiles, kernels/amx.c is faster still):
+    figures are oneDNN's tiles, kernels/bf16gemm.c is faster still):
     Gemma 3 270M's head on a 2-core Xeon, interleaved calls, 14.6 against 30.7 ms at 16
     rows (where the int8-block head still runs Q8_0), 18.7 against 28.2 at 64, level at 8
     and 32 (13.8 / 13.8, 16.9 / 17.7); agreement stays (98.68% against 98.83%, perplexity
