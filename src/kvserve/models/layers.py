@@ -46,8 +46,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Derived,
 
     oneDNN's prepacked copy is bitwise equal to F.linear on Gemma 3 270M's shapes and
     measured faster on a 2-core AVX-512 CPU: ~1.5x for the 262k-row head, 2.3x for the
-    layers' projections at one token and ~1.2x at 32 tokens (one thread); with AMX our tile
-    kernel gives the same sums faster still (Bf16Gemm). Both need bf16 computed natively;
+    layers' projections at one token and ~1.2x at 32 tokens (one thread); our kernel
+    (kernels/bf16gemm.c: AMX's tiles, or AVX-512 BF16 vectors) gives the same sums to a
+    rounding in a thousand outputs, faster still from a few rows (Bf16Gemm). Both need
+    bf16 computed natively;
     elsewhere (AVX2-only) F.linear's emulated bf16 is the correct path. Other dtypes,
     devices and autograd take F.linear too.
     """

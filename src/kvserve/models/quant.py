@@ -19,9 +19,9 @@ re-quantized from the GGUF's dequantized values.
   ships as Q5_0 (Gemma 3 270M Q4_K_M: q/k/v, gate, up) keeps its own Q5_0 blocks instead
   where the CPU has AVX-512BW (Q5Linear, 0.6875 bytes a weight, no rounding at all).
 - q8+bf16 (the default where bf16 runs natively, for a bf16 model): the q8 copy for steps
-  of up to 16 rows (4 with AMX), and a packed bf16 copy (every weight rounded to bf16,
-  activations too; Bf16Gemm: our AMX tile kernel, else oneDNN) for larger ones, where
-  native bf16 dot products beat our int16 kernel.
+  of up to 8 rows (4 with AMX), and a packed bf16 copy (every weight rounded to bf16,
+  activations too; Bf16Gemm: our kernel on AMX's tiles or AVX-512 BF16 vectors, else
+  oneDNN) for larger ones, where native bf16 dot products beat our int16 kernel.
 - q8+int8 (on request, where the CPU has VNNI): the q8 copy for steps of up to 16 rows,
   and above them both sides in int8 blocks of 32 (llama.cpp's Q8_0 x Q8_0: the weights as
   Q8_0, each activation block rounded to int8 at each call; kernels/i8matmul.c). 1.3-1.6x
@@ -111,7 +111,7 @@ class Bf16Gemm:
     rows [M, K] bfloat16 -> [M, N] bfloat16. Our kernel (kernels/bf16gemm.c: AMX's tiles
     where granted, AVX-512 BF16's vdpbf16ps elsewhere) over its own layout, where the build
     has either: at decode-sized steps it overlaps the weights' read with the products that
-    oneDNN's calls do one after the other (up to twice oneDNN's rate on AMX, 1.3-1.5x with
+    oneDNN's calls do one after the other (up to twice oneDNN's rate on AMX, 1.2-1.35x with
     vectors at 32 rows; level with it at prefill's 2048) and gives the same sums. Elsewhere
     (a shape it does not take), or with use_kernel=False (benchmarks comparing the two),
     oneDNN's blocked copy."""
