@@ -380,11 +380,13 @@ def first_tokens(engine: LLMEngine, length: int, rounds: int,
 
 
 def attention(args: argparse.Namespace) -> dict:
-    """Time to the first token of fresh --prefill L-token prompts, the prompt's attention in
-    blocks of 16 rows on AMX's tiles (the machine's build of kernels/paged_attention.c), in
-    blocks with vdpbf16ps (a build without AMX) and row by row (benchmarks/
-    prefill_attention.py's RowByRow), swapped in one engine round by round: ms, min and
-    median of 4 rounds."""
+    """Time to the first token of fresh --prefill L-token prompts under each way the
+    prompt's attention can run, swapped in one engine round by round: ms, min and median of
+    4 rounds. bf16 KV: blocks of 16 rows on AMX's tiles (the machine's build of
+    kernels/paged_attention.c, where Linux grants them), blocks with vdpbf16ps (a build
+    without AMX, or the machine's where there are no tiles) and row by row (benchmarks/
+    prefill_attention.py's RowByRow). float32 KV (--dtype float32): blocks (rows in vector
+    lanes), row by row, and SDPA over gathered pages (the torch path)."""
     from prefill_attention import RowByRow
 
     from kvserve.kernels.cpu import cpu_kernels
@@ -393,16 +395,27 @@ def attention(args: argparse.Namespace) -> dict:
     warm(engine)
     attn = engine.runner.attn
     if attn.kernels is None:
-        raise SystemExit("attention: needs bf16 KV (the kernel's blocks are bf16)")
-    own = attn.kernels
-    builds = ({"tiles": own, "vectors": cpu_kernels(("-mno-amx-tile",))} if own.amx_ready()
-              else {"vectors": own})  # no tiles granted: the machine's build is the vectors
+        raise SystemExit("attention: needs the C kernels and one KV dtype")
+    own, by_kernel = attn.kernels, attn.kernel_prefill
+    if engine.model.dtype == torch.bfloat16:
+        builds = ({"tiles": own, "vectors": cpu_kernels(("-mno-amx-tile",))}
+                  if own.amx_ready() else {"vectors": own})
+    else:
+        builds = {"blocks": own}
     builds["rows"] = RowByRow(own)
+    setups = {k: partial(use_kernels, attn, b, True) for k, b in builds.items()}
+    if engine.model.dtype != torch.bfloat16:
+        setups["sdpa"] = partial(use_kernels, attn, own, False)
     length = args.prefill or 8000
-    rounds = first_tokens(engine, length, 4,
-                          {k: partial(setattr, attn, "kernels", b) for k, b in builds.items()})
-    attn.kernels = own
-    return {"cpu": summary(), "prefill_tokens": length, **spread(rounds)}
+    rounds = first_tokens(engine, length, 4, setups)
+    use_kernels(attn, own, by_kernel)
+    return {"cpu": summary(), "dtype": str(engine.model.dtype), "prefill_tokens": length,
+            **spread(rounds)}
+
+
+def use_kernels(attn, kernels, prefill: bool) -> None:
+    """The attention's kernels, and whether prefill chunks go to them (else SDPA)."""
+    attn.kernels, attn.kernel_prefill = kernels, prefill
 
 
 def main() -> None:

@@ -106,24 +106,29 @@ def test_split_ranges_merge_by_their_lse(kernels, seed, dtype, G, D, chunks, cut
        D=st.sampled_from([32, 64, 256]), T=st.sampled_from([1, 4, 16]),
        chunks=st.lists(st.tuples(st.integers(0, 100), st.integers(1, 70)), min_size=1,
                        max_size=3),
-       window=st.sampled_from([0, 5, 32, 100]))
-def test_prefill_chunks_match_torch_attention(kernels, seed, Hkv, G, D, T, chunks, window):
-    """Chunks of many rows of one sequence: with AMX, their runs of 16 go to the tiles
-    (keys laid out once a call, each row masked to its own range), the rest row by row."""
-    q, cache, tables, padded, ints, lists = case(seed, torch.bfloat16, Hkv, G, D, T, chunks,
-                                                 window)
+       window=st.sampled_from([0, 5, 32, 100]), dtype=st.sampled_from(["bf16", "f32"]))
+def test_prefill_chunks_match_torch_attention(kernels, seed, Hkv, G, D, T, chunks, window,
+                                              dtype):
+    """Chunks of many rows of one sequence: their runs of 16 go as blocks (bf16: keys laid
+    out once a call, on AMX's tiles or with vdpbf16ps; float32: the rows in a vector's
+    lanes, keys read in place), each row masked to its own range; the rest row by row."""
+    bf16 = dtype == "bf16"
+    q, cache, tables, padded, ints, lists = case(seed, torch.bfloat16 if bf16 else torch.float32,
+                                                 Hkv, G, D, T, chunks, window)
     lse = torch.empty(q.shape[:2])
     got = kernels.paged_attention(q, cache, padded, *ints, D**-0.5, lse)
+    tol = 2e-2 if bf16 else 2e-5
     torch.testing.assert_close(got, reference(q, cache, tables, *lists, D**-0.5),
-                               atol=2e-2, rtol=2e-2)
+                               atol=tol, rtol=tol)
     seq, lo, n = lists
-    for r in range(0, q.shape[0], 7):  # the scores' log-sum-exp, in float32 from bf16 scores
+    for r in range(0, q.shape[0], 7):  # the scores' log-sum-exp, in float32 (from bf16 scores)
         pos = torch.arange(lo[r], lo[r] + n[r])
         page = padded[seq[r]][pos // T].long()
         k = cache[page, 0, pos % T].float()
         s = torch.einsum("hgd,lhd->hgl", q[r].float().view(Hkv, G, D), k)
-        s = s.bfloat16().float() * D**-0.5
-        torch.testing.assert_close(lse[r], s.logsumexp(-1).reshape(-1), atol=1e-3, rtol=1e-4)
+        s = (s.bfloat16().float() if bf16 else s) * D**-0.5
+        torch.testing.assert_close(lse[r], s.logsumexp(-1).reshape(-1), atol=1e-3 if bf16 else 1e-5,
+                                   rtol=1e-4 if bf16 else 1e-6)
 
 
 def test_reads_a_strided_query_in_place(kernels):

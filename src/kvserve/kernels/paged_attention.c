@@ -599,6 +599,185 @@ static void attend(const char *qb, int64_t q_sh, const char *const *keys, const 
     store_row(out, 0, acc, G * D, is_bf16);  /* the item's G heads sit side by side */
 }
 
+/* ---- float32 prefill in blocks of 16 rows, the rows in vector lanes ----
+ *
+ * The float32 analogue of prefill_blocks, for every build (AVX2 machines serve float32):
+ * 16 rows of one sequence go together, row i in lane i of the block's vectors (GCC's
+ * vector extension at the build's width: one zmm with AVX-512, two ymm with AVX2, four xmm
+ * without). Then a key's scores for the 16 rows are a sum over d of the rows' q[d] (the
+ * block's vectors) times the key's value at d (broadcast), read from its page in place: no
+ * layout pass, and no sum reduced across a vector. Keys go KW at a time so that 8 chains
+ * of sums hide the FMA's latency. The softmax goes down the keys lane-wise (each lane
+ * masked to its row's range [lo, lo + n)), and the output KW dims a pass likewise, the
+ * values broadcast. Numerics: float32 products and sums as the row path (only their order
+ * differs), and a polynomial exp within a few ulp of expf. */
+#pragma GCC diagnostic ignored "-Wpsabi" /* vectors wider than the build's, if any: static */
+#if defined(__AVX512F__)
+#define VB 64
+#elif defined(__AVX2__)
+#define VB 32
+#else
+#define VB 16
+#endif
+typedef float fvec __attribute__((vector_size(VB)));
+typedef int32_t ivec __attribute__((vector_size(VB)));
+#define FB 16            /* rows a float32 block */
+#define NV (FB * 4 / VB) /* vectors a block's rows fill */
+#define KW (8 / NV)      /* keys (and output dims) a pass: 8 chains of sums */
+
+static inline fvec fsplat(float x) { return (fvec){0} + x; }
+static inline fvec fselect(ivec m, fvec a, fvec b) { return (fvec)(((ivec)a & m) | ((ivec)b & ~m)); }
+
+/* e^x lane-wise for x <= 0 (scores less their row's maximum): 2^n e^r with |r| <= ln2 / 2,
+ * e^r a degree-6 Taylor polynomial (relative error below 2e-7); 0 below -87 (and for -inf,
+ * the masked lanes). */
+static inline fvec vexp(fvec x) {
+    const ivec under = x < -87.f;
+    x = fselect(under, fsplat(-87.f), x);
+    const fvec n = (x * 1.44269504f + 12582912.f) - 12582912.f; /* round to nearest */
+    const fvec r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    fvec e = fsplat(1.f / 720);
+    e = e * r + 1.f / 120;
+    e = e * r + 1.f / 24;
+    e = e * r + 1.f / 6;
+    e = e * r + 0.5f;
+    e = e * r + 1.f;
+    e = e * r + 1.f;
+    const ivec scale = (__builtin_convertvector(n, ivec) + 127) << 23;
+    return (fvec)((ivec)(e * (fvec)scale) & ~under);
+}
+
+/* One block (rows r0 .. r0 + 15 of one sequence) and query head `head`: keys [base, base +
+ * span) at krow[0 .. span) (pointers to each key's row; its value row is s_kv floats on).
+ * qt holds D x NV vectors (the rows' queries, then their outputs), st span x NV (scores,
+ * then probabilities). */
+static void f32_block(const float *q, int64_t q_sr, int64_t q_sh, const float *const *krow,
+                      int64_t s_kv, int base, int span, const int32_t *lo, const int32_t *n_keys,
+                      int r0, int head, int Hq, int D, float scale, fvec *qt, fvec *st,
+                      float *out, float *lse) {
+    for (int d = 0; d < D; d++)
+        for (int i = 0; i < FB; i++)
+            qt[d * NV + i / (FB / NV)][i % (FB / NV)] =
+                q[(size_t)(r0 + i) * q_sr + (size_t)head * q_sh + d];
+    for (int k = 0; k < span; k += KW) { /* scores, KW keys a pass */
+        const int nk = span - k < KW ? span - k : KW;
+        fvec a[KW][NV] = {{{0}}};
+        if (nk == KW) {
+            for (int d = 0; d < D; d++)
+#pragma GCC unroll 8
+                for (int j = 0; j < KW; j++) {
+                    const float x = krow[k + j][d];
+#pragma GCC unroll 4
+                    for (int v = 0; v < NV; v++) a[j][v] += qt[d * NV + v] * x;
+                }
+        } else {
+            for (int j = 0; j < nk; j++)
+                for (int d = 0; d < D; d++)
+                    for (int v = 0; v < NV; v++) a[j][v] += qt[d * NV + v] * krow[k + j][d];
+        }
+        for (int j = 0; j < nk; j++)
+            for (int v = 0; v < NV; v++) st[(k + j) * NV + v] = a[j][v] * scale;
+    }
+    fvec m[NV], sum[NV];
+    ivec empty[NV];
+    for (int v = 0; v < NV; v++) {
+        ivec first, last; /* each lane's range, as offsets into the span */
+        for (int i = 0; i < FB / NV; i++) {
+            const int r = r0 + v * (FB / NV) + i;
+            first[i] = lo[r] - base;
+            last[i] = lo[r] + n_keys[r] - base;
+        }
+        m[v] = fsplat(-INFINITY);
+        for (int k = 0; k < span; k++) {
+            const ivec kk = (ivec){0} + k, in = (kk >= first) & (kk < last);
+            fvec *x = st + k * NV + v;
+            *x = fselect(in, *x, fsplat(-INFINITY));
+            m[v] = fselect(*x > m[v], *x, m[v]);
+        }
+        empty[v] = m[v] == -INFINITY; /* a row without keys: output 0, lse -inf */
+        m[v] = (fvec)((ivec)m[v] & ~empty[v]);
+        sum[v] = (fvec){0};
+        for (int k = 0; k < span; k++) {
+            st[k * NV + v] = vexp(st[k * NV + v] - m[v]);
+            sum[v] += st[k * NV + v];
+        }
+    }
+    for (int d0 = 0; d0 < D; d0 += KW) { /* outputs, KW dims a pass (into qt: free again) */
+        const int nd = D - d0 < KW ? D - d0 : KW;
+        fvec o[KW][NV] = {{{0}}};
+        if (nd == KW) {
+            for (int k = 0; k < span; k++) {
+                const float *val = krow[k] + s_kv + d0;
+#pragma GCC unroll 8
+                for (int j = 0; j < KW; j++)
+#pragma GCC unroll 4
+                    for (int v = 0; v < NV; v++) o[j][v] += st[k * NV + v] * val[j];
+            }
+        } else {
+            for (int k = 0; k < span; k++)
+                for (int j = 0; j < nd; j++)
+                    for (int v = 0; v < NV; v++) o[j][v] += st[k * NV + v] * krow[k][s_kv + d0 + j];
+        }
+        for (int j = 0; j < nd; j++)
+            for (int v = 0; v < NV; v++)
+                qt[(d0 + j) * NV + v] = (fvec)((ivec)(o[j][v] / sum[v]) & ~empty[v]);
+    }
+    for (int i = 0; i < FB; i++) {
+        const int v = i / (FB / NV), l = i % (FB / NV);
+        float *row = out + ((size_t)(r0 + i) * Hq + head) * D;
+        for (int d = 0; d < D; d++) row[d] = qt[d * NV + v][l];
+        if (lse)
+            lse[(size_t)(r0 + i) * Hq + head] = empty[v][l] ? -INFINITY : m[v][l] + logf(sum[v][l]);
+    }
+}
+
+/* The rows of runs of FB rows of one sequence (float32), done[r] set for each row computed.
+ * Returns -1 if memory could not be had. */
+static int prefill_blocks_f32(const float *q, int64_t q_sr, int64_t q_sh, const float *cache,
+                              int64_t s_page, int64_t s_kv, int64_t s_tok, int64_t s_head,
+                              const int32_t *tables, int64_t tables_stride, const int32_t *seq,
+                              const int32_t *lo, const int32_t *n_keys, int R, int Hq, int Hkv,
+                              int D, int T, float scale, float *out, float *lse, int nthreads,
+                              uint8_t *done) {
+    const int G = Hq / Hkv;
+    int failed = 0;
+    for (int r = 0; r < R;) {
+        int end = r;
+        while (end < R && seq[end] == seq[r]) end++;
+        const int blocks = (end - r) / FB;
+        const int32_t *tbl = tables + (size_t)seq[r] * tables_stride;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
+        for (int item = 0; item < blocks * Hkv; item++) {
+            const int r0 = r + item / Hkv * FB, h = item % Hkv;
+            int kmin = lo[r0], kmax = lo[r0] + n_keys[r0];
+            for (int i = 1; i < FB; i++) {
+                kmin = lo[r0 + i] < kmin ? lo[r0 + i] : kmin;
+                kmax = lo[r0 + i] + n_keys[r0 + i] > kmax ? lo[r0 + i] + n_keys[r0 + i] : kmax;
+            }
+            const int span = kmax > kmin ? kmax - kmin : 0;
+            fvec *v = aligned_alloc(64, ((size_t)D + span + 1) * NV * sizeof(fvec));
+            const float **krow = malloc(((size_t)span + 1) * sizeof(float *));
+            if (!v || !krow) {
+                failed = 1;
+            } else {
+                for (int i = 0; i < span; i++) {
+                    const int k = kmin + i;
+                    krow[i] = cache + tbl[k / T] * s_page + (k % T) * s_tok + h * s_head;
+                }
+                for (int g = 0; g < G; g++)
+                    f32_block(q, q_sr, q_sh, krow, s_kv, kmin, span, lo, n_keys, r0, h * G + g,
+                              Hq, D, scale, v, v + (size_t)D * NV, out, lse);
+            }
+            free(v);
+            free(krow);
+        }
+        if (failed) return -1;
+        memset(done + r, 1, (size_t)blocks * FB);
+        r = end;
+    }
+    return 0;
+}
+
 /* Strides are in elements. Row r of q belongs to sequence seq[r], whose page j (keys
  * [j T, (j + 1) T)) is tables[seq[r] * tables_stride + j]. out is contiguous [R, Hq, D];
  * lse, if not NULL, contiguous float32 [R, Hq] (each row's log-sum-exp of scaled scores).
@@ -625,6 +804,16 @@ int kvs_paged_attention(
         }
     }
 #endif
+    if (!is_bf16 && R >= FB) {
+        done = calloc((size_t)R, 1);
+        if (!done || prefill_blocks_f32((const float *)q, q_sr, q_sh, (const float *)cache,
+                                        s_page, s_kv, s_tok, s_head, tables, tables_stride, seq,
+                                        lo, n_keys, R, Hq, Hkv, D, T, scale, (float *)out, lse,
+                                        nthreads, done)) {
+            free(done);
+            return -1;
+        }
+    }
 
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
     for (int item = 0; item < R * Hkv; item++) {

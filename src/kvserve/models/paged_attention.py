@@ -120,14 +120,16 @@ class PagedAttention:
         views = [v for per_spec in pool.views.values() for v in per_spec]
         # The compiled CPU kernels, or None: torch ops (any device) do the same.
         self.kernels = kernels_for(views[0]) if len({v.dtype for v in views}) == 1 else None
-        # Prefill chunks go to the kernel too where it has native bf16 dot products: with
-        # them it beat SDPA over gathered pages at every prompt length measured, 64 to 8192
-        # tokens (2.6-7x; docs/benchmarks.md). In float32 it walks one query row at a time
-        # and loses to SDPA up to ~1K-token chunks, so those keep SDPA; softcapped layers
-        # (Gemma 2) take the torch path for everything.
+        # Prefill chunks go to the kernel too where it computes them in blocks of 16 rows:
+        # bf16 with native bf16 dot products, and float32 on every CPU (rows in vector
+        # lanes). Both beat SDPA over gathered pages at every prompt length measured: bf16
+        # 2.6-7x from 64 to 8192 tokens, float32 1.05-2.3x from 128 to 8000 (time to the
+        # first token; its AVX2 build 1.04-1.5x; docs/benchmarks.md). bf16 KV without
+        # native bf16 walks one row at a time, which loses to SDPA up to ~1K-token chunks,
+        # so it keeps SDPA; softcapped layers (Gemma 2) take the torch path for everything.
         self.kernel_prefill = (self.kernels is not None and not self._softcapped
-                               and views[0].dtype == torch.bfloat16
-                               and "avx512_bf16" in cpu_flags())
+                               and (views[0].dtype == torch.float32
+                                    or "avx512_bf16" in cpu_flags()))
         self.state_plans: dict[str, list[StateSeq]] = {}
 
     # ----------------------------------------------------------------- prepare
