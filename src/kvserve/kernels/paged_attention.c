@@ -624,6 +624,7 @@ typedef int32_t ivec __attribute__((vector_size(VB)));
 #define FB 16            /* rows a float32 block */
 #define NV (FB * 4 / VB) /* vectors a block's rows fill */
 #define KW (8 / NV)      /* keys (and output dims) a pass: 8 chains of sums */
+#define VC 64            /* keys whose value rows the output's dims pass at a time */
 
 static inline fvec fsplat(float x) { return (fvec){0} + x; }
 static inline fvec fselect(ivec m, fvec a, fvec b) { return (fvec)(((ivec)a & m) | ((ivec)b & ~m)); }
@@ -702,26 +703,37 @@ static void f32_block(const float *q, int64_t q_sr, int64_t q_sh, const float *c
             sum[v] += st[k * NV + v];
         }
     }
-    for (int d0 = 0; d0 < D; d0 += KW) { /* outputs, KW dims a pass (into qt: free again) */
-        const int nd = D - d0 < KW ? D - d0 : KW;
-        fvec o[KW][NV] = {{{0}}};
-        if (nd == KW) {
-            for (int k = 0; k < span; k++) {
-                const float *val = krow[k] + s_kv + d0;
+    /* outputs into qt (free again), KW dims a pass over VC keys at a time: the chunk's
+     * value rows stay in L2 while the dims pass, however long the span */
+    memset(qt, 0, (size_t)D * NV * sizeof(fvec));
+    for (int k0 = 0; k0 < span; k0 += VC) {
+        const int k1 = span - k0 < VC ? span : k0 + VC;
+        for (int d0 = 0; d0 < D; d0 += KW) {
+            const int nd = D - d0 < KW ? D - d0 : KW;
+            fvec o[KW][NV];
+            for (int j = 0; j < nd; j++)
+                for (int v = 0; v < NV; v++) o[j][v] = qt[(d0 + j) * NV + v];
+            if (nd == KW) {
+                for (int k = k0; k < k1; k++) {
+                    const float *val = krow[k] + s_kv + d0;
 #pragma GCC unroll 8
-                for (int j = 0; j < KW; j++)
+                    for (int j = 0; j < KW; j++)
 #pragma GCC unroll 4
-                    for (int v = 0; v < NV; v++) o[j][v] += st[k * NV + v] * val[j];
+                        for (int v = 0; v < NV; v++) o[j][v] += st[k * NV + v] * val[j];
+                }
+            } else {
+                for (int k = k0; k < k1; k++)
+                    for (int j = 0; j < nd; j++)
+                        for (int v = 0; v < NV; v++)
+                            o[j][v] += st[k * NV + v] * krow[k][s_kv + d0 + j];
             }
-        } else {
-            for (int k = 0; k < span; k++)
-                for (int j = 0; j < nd; j++)
-                    for (int v = 0; v < NV; v++) o[j][v] += st[k * NV + v] * krow[k][s_kv + d0 + j];
+            for (int j = 0; j < nd; j++)
+                for (int v = 0; v < NV; v++) qt[(d0 + j) * NV + v] = o[j][v];
         }
-        for (int j = 0; j < nd; j++)
-            for (int v = 0; v < NV; v++)
-                qt[(d0 + j) * NV + v] = (fvec)((ivec)(o[j][v] / sum[v]) & ~empty[v]);
     }
+    for (int d = 0; d < D; d++)
+        for (int v = 0; v < NV; v++)
+            qt[d * NV + v] = (fvec)((ivec)(qt[d * NV + v] / sum[v]) & ~empty[v]);
     for (int i = 0; i < FB; i++) {
         const int v = i / (FB / NV), l = i % (FB / NV);
         float *row = out + ((size_t)(r0 + i) * Hq + head) * D;
