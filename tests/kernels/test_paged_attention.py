@@ -8,7 +8,7 @@ AVX-512 BF16 path where the CPU has it) and the portable build.
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 
@@ -107,6 +107,8 @@ def test_split_ranges_merge_by_their_lse(kernels, seed, dtype, G, D, chunks, cut
        chunks=st.lists(st.tuples(st.integers(0, 100), st.integers(1, 70)), min_size=1,
                        max_size=3),
        window=st.sampled_from([0, 5, 32, 100]), dtype=st.sampled_from(["bf16", "f32"]))
+@example(seed=1, Hkv=1, G=4, D=64, T=16, chunks=[(300, 40)], window=0, dtype="f32")  # chunks
+@example(seed=2, Hkv=2, G=2, D=32, T=4, chunks=[(200, 33)], window=150, dtype="f32")  # of keys
 def test_prefill_chunks_match_torch_attention(kernels, seed, Hkv, G, D, T, chunks, window,
                                               dtype):
     """Chunks of many rows of one sequence: their runs of 16 go as blocks (bf16: keys laid

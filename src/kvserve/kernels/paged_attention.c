@@ -624,7 +624,8 @@ typedef int32_t ivec __attribute__((vector_size(VB)));
 #define FB 16            /* rows a float32 block */
 #define NV (FB * 4 / VB) /* vectors a block's rows fill */
 #define KW (8 / NV)      /* keys (and output dims) a pass: 8 chains of sums */
-#define VC 64            /* keys whose value rows the output's dims pass at a time */
+#define VC 64            /* keys a chunk: their rows stay in L1/L2 while every head passes */
+#define FG 8             /* query heads a KV head, at most, in the float32 blocks */
 
 static inline fvec fsplat(float x) { return (fvec){0} + x; }
 static inline fvec fselect(ivec m, fvec a, fvec b) { return (fvec)(((ivec)a & m) | ((ivec)b & ~m)); }
@@ -648,20 +649,13 @@ static inline fvec vexp(fvec x) {
     return (fvec)((ivec)(e * (fvec)scale) & ~under);
 }
 
-/* One block (rows r0 .. r0 + 15 of one sequence) and query head `head`: keys [base, base +
- * span) at krow[0 .. span) (pointers to each key's row; its value row is s_kv floats on).
- * qt holds D x NV vectors (the rows' queries, then their outputs), st span x NV (scores,
- * then probabilities). */
-static void f32_block(const float *q, int64_t q_sr, int64_t q_sh, const float *const *krow,
-                      int64_t s_kv, int base, int span, const int32_t *lo, const int32_t *n_keys,
-                      int r0, int head, int Hq, int D, float scale, fvec *qt, fvec *st,
-                      float *out, float *lse) {
-    for (int d = 0; d < D; d++)
-        for (int i = 0; i < FB; i++)
-            qt[d * NV + i / (FB / NV)][i % (FB / NV)] =
-                q[(size_t)(r0 + i) * q_sr + (size_t)head * q_sh + d];
-    for (int k = 0; k < span; k += KW) { /* scores, KW keys a pass */
-        const int nk = span - k < KW ? span - k : KW;
+/* Scores of the block's rows (qt: D x NV vectors, one query head) against keys krow[0 .. n)
+ * into st (n x NV), scaled, and masked to -inf outside each lane's range [first, last) of
+ * key indices (k0 is krow[0]'s). */
+static void f32_scores(const fvec *qt, const float *const *krow, int n, int k0, int D,
+                       float scale, const ivec *first, const ivec *last, fvec *st) {
+    for (int k = 0; k < n; k += KW) { /* KW keys a pass */
+        const int nk = n - k < KW ? n - k : KW;
         fvec a[KW][NV] = {{{0}}};
         if (nk == KW) {
             for (int d = 0; d < D; d++)
@@ -677,70 +671,100 @@ static void f32_block(const float *q, int64_t q_sr, int64_t q_sh, const float *c
                     for (int v = 0; v < NV; v++) a[j][v] += qt[d * NV + v] * krow[k + j][d];
         }
         for (int j = 0; j < nk; j++)
-            for (int v = 0; v < NV; v++) st[(k + j) * NV + v] = a[j][v] * scale;
+            for (int v = 0; v < NV; v++) {
+                const ivec kk = (ivec){0} + (k0 + k + j);
+                st[(k + j) * NV + v] = fselect((kk >= first[v]) & (kk < last[v]), a[j][v] * scale,
+                                               fsplat(-INFINITY));
+            }
     }
-    fvec m[NV], sum[NV];
-    ivec empty[NV];
-    for (int v = 0; v < NV; v++) {
-        ivec first, last; /* each lane's range, as offsets into the span */
+}
+
+/* ot (D x NV) += st's probabilities (n x NV) times the keys' value rows, KW dims a pass. */
+static void f32_values(const fvec *st, const float *const *krow, int n, int64_t s_kv, int D,
+                       fvec *ot) {
+    for (int d0 = 0; d0 < D; d0 += KW) {
+        const int nd = D - d0 < KW ? D - d0 : KW;
+        fvec o[KW][NV];
+        for (int j = 0; j < nd; j++)
+            for (int v = 0; v < NV; v++) o[j][v] = ot[(d0 + j) * NV + v];
+        if (nd == KW) {
+            for (int k = 0; k < n; k++) {
+                const float *val = krow[k] + s_kv + d0;
+#pragma GCC unroll 8
+                for (int j = 0; j < KW; j++)
+#pragma GCC unroll 4
+                    for (int v = 0; v < NV; v++) o[j][v] += st[k * NV + v] * val[j];
+            }
+        } else {
+            for (int k = 0; k < n; k++)
+                for (int j = 0; j < nd; j++)
+                    for (int v = 0; v < NV; v++) o[j][v] += st[k * NV + v] * krow[k][s_kv + d0 + j];
+        }
+        for (int j = 0; j < nd; j++)
+            for (int v = 0; v < NV; v++) ot[(d0 + j) * NV + v] = o[j][v];
+    }
+}
+
+/* One block (rows r0 .. r0 + 15 of one sequence) and the G query heads of KV head h: keys
+ * [base, base + span) at krow[0 .. span) (pointers to each key's row; its value row is s_kv
+ * floats on). The keys go VC at a time (flash attention's running maximum and sum per
+ * lane), every head over one chunk before the next: a chunk's key and value rows stay in
+ * L1/L2 for all G heads, however long the span. scratch: (2 G D + VC) NV vectors. */
+static void f32_block(const float *q, int64_t q_sr, int64_t q_sh, const float *const *krow,
+                      int64_t s_kv, int base, int span, const int32_t *lo, const int32_t *n_keys,
+                      int r0, int h, int G, int Hq, int D, float scale, fvec *scratch,
+                      float *out, float *lse) {
+    fvec *qt = scratch, *ot = qt + (size_t)G * D * NV, *st = ot + (size_t)G * D * NV;
+    fvec m[FG][NV], sum[FG][NV]; /* per head: each lane's running maximum and sum */
+    ivec first[NV], last[NV];  /* each lane's key range */
+    for (int v = 0; v < NV; v++)
         for (int i = 0; i < FB / NV; i++) {
             const int r = r0 + v * (FB / NV) + i;
-            first[i] = lo[r] - base;
-            last[i] = lo[r] + n_keys[r] - base;
+            first[v][i] = lo[r] - base;
+            last[v][i] = lo[r] + n_keys[r] - base;
         }
-        m[v] = fsplat(-INFINITY);
-        for (int k = 0; k < span; k++) {
-            const ivec kk = (ivec){0} + k, in = (kk >= first) & (kk < last);
-            fvec *x = st + k * NV + v;
-            *x = fselect(in, *x, fsplat(-INFINITY));
-            m[v] = fselect(*x > m[v], *x, m[v]);
-        }
-        empty[v] = m[v] == -INFINITY; /* a row without keys: output 0, lse -inf */
-        m[v] = (fvec)((ivec)m[v] & ~empty[v]);
-        sum[v] = (fvec){0};
-        for (int k = 0; k < span; k++) {
-            st[k * NV + v] = vexp(st[k * NV + v] - m[v]);
-            sum[v] += st[k * NV + v];
-        }
+    for (int g = 0; g < G; g++) {
+        for (int d = 0; d < D; d++)
+            for (int i = 0; i < FB; i++)
+                qt[((size_t)g * D + d) * NV + i / (FB / NV)][i % (FB / NV)] =
+                    q[(size_t)(r0 + i) * q_sr + (size_t)(h * G + g) * q_sh + d];
+        for (int v = 0; v < NV; v++) m[g][v] = fsplat(-INFINITY), sum[g][v] = (fvec){0};
     }
-    /* outputs into qt (free again), KW dims a pass over VC keys at a time: the chunk's
-     * value rows stay in L2 while the dims pass, however long the span */
-    memset(qt, 0, (size_t)D * NV * sizeof(fvec));
+    memset(ot, 0, (size_t)G * D * NV * sizeof(fvec));
     for (int k0 = 0; k0 < span; k0 += VC) {
-        const int k1 = span - k0 < VC ? span : k0 + VC;
-        for (int d0 = 0; d0 < D; d0 += KW) {
-            const int nd = D - d0 < KW ? D - d0 : KW;
-            fvec o[KW][NV];
-            for (int j = 0; j < nd; j++)
-                for (int v = 0; v < NV; v++) o[j][v] = qt[(d0 + j) * NV + v];
-            if (nd == KW) {
-                for (int k = k0; k < k1; k++) {
-                    const float *val = krow[k] + s_kv + d0;
-#pragma GCC unroll 8
-                    for (int j = 0; j < KW; j++)
-#pragma GCC unroll 4
-                        for (int v = 0; v < NV; v++) o[j][v] += st[k * NV + v] * val[j];
+        const int n = span - k0 < VC ? span - k0 : VC;
+        for (int g = 0; g < G; g++) {
+            fvec *o = ot + (size_t)g * D * NV;
+            f32_scores(qt + (size_t)g * D * NV, krow + k0, n, k0, D, scale, first, last, st);
+            for (int v = 0; v < NV; v++) {
+                fvec cm = m[g][v];
+                for (int k = 0; k < n; k++) cm = fselect(st[k * NV + v] > cm, st[k * NV + v], cm);
+                /* lanes with no key yet keep -inf; their exps below are 0 against 0 */
+                const fvec safe = (fvec)((ivec)cm & ~(cm == -INFINITY));
+                const fvec factor = vexp(m[g][v] - safe);
+                m[g][v] = cm;
+                fvec add = {0};
+                for (int k = 0; k < n; k++) {
+                    st[k * NV + v] = vexp(st[k * NV + v] - safe);
+                    add += st[k * NV + v];
                 }
-            } else {
-                for (int k = k0; k < k1; k++)
-                    for (int j = 0; j < nd; j++)
-                        for (int v = 0; v < NV; v++)
-                            o[j][v] += st[k * NV + v] * krow[k][s_kv + d0 + j];
+                sum[g][v] = sum[g][v] * factor + add;
+                for (int d = 0; d < D; d++) o[d * NV + v] *= factor;
             }
-            for (int j = 0; j < nd; j++)
-                for (int v = 0; v < NV; v++) qt[(d0 + j) * NV + v] = o[j][v];
+            f32_values(st, krow + k0, n, s_kv, D, o);
         }
     }
-    for (int d = 0; d < D; d++)
-        for (int v = 0; v < NV; v++)
-            qt[d * NV + v] = (fvec)((ivec)(qt[d * NV + v] / sum[v]) & ~empty[v]);
-    for (int i = 0; i < FB; i++) {
-        const int v = i / (FB / NV), l = i % (FB / NV);
-        float *row = out + ((size_t)(r0 + i) * Hq + head) * D;
-        for (int d = 0; d < D; d++) row[d] = qt[d * NV + v][l];
-        if (lse)
-            lse[(size_t)(r0 + i) * Hq + head] = empty[v][l] ? -INFINITY : m[v][l] + logf(sum[v][l]);
-    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < FB; i++) {
+            const int v = i / (FB / NV), l = i % (FB / NV), head = h * G + g;
+            const int empty = m[g][v][l] == -INFINITY; /* a row without keys: 0, lse -inf */
+            const float inv = empty ? 0.f : 1.f / sum[g][v][l];
+            float *row = out + ((size_t)(r0 + i) * Hq + head) * D;
+            for (int d = 0; d < D; d++) row[d] = ot[((size_t)g * D + d) * NV + v][l] * inv;
+            if (lse)
+                lse[(size_t)(r0 + i) * Hq + head] =
+                    empty ? -INFINITY : m[g][v][l] + logf(sum[g][v][l]);
+        }
 }
 
 /* The rows of runs of FB rows of one sequence (float32), done[r] set for each row computed.
@@ -767,7 +791,7 @@ static int prefill_blocks_f32(const float *q, int64_t q_sr, int64_t q_sh, const 
                 kmax = lo[r0 + i] + n_keys[r0 + i] > kmax ? lo[r0 + i] + n_keys[r0 + i] : kmax;
             }
             const int span = kmax > kmin ? kmax - kmin : 0;
-            fvec *v = aligned_alloc(64, ((size_t)D + span + 1) * NV * sizeof(fvec));
+            fvec *v = aligned_alloc(64, ((size_t)2 * G * D + VC) * NV * sizeof(fvec));
             const float **krow = malloc(((size_t)span + 1) * sizeof(float *));
             if (!v || !krow) {
                 failed = 1;
@@ -776,9 +800,8 @@ static int prefill_blocks_f32(const float *q, int64_t q_sr, int64_t q_sh, const 
                     const int k = kmin + i;
                     krow[i] = cache + tbl[k / T] * s_page + (k % T) * s_tok + h * s_head;
                 }
-                for (int g = 0; g < G; g++)
-                    f32_block(q, q_sr, q_sh, krow, s_kv, kmin, span, lo, n_keys, r0, h * G + g,
-                              Hq, D, scale, v, v + (size_t)D * NV, out, lse);
+                f32_block(q, q_sr, q_sh, krow, s_kv, kmin, span, lo, n_keys, r0, h, G, Hq, D,
+                          scale, v, out, lse);
             }
             free(v);
             free(krow);
@@ -816,7 +839,7 @@ int kvs_paged_attention(
         }
     }
 #endif
-    if (!is_bf16 && R >= FB) {
+    if (!is_bf16 && R >= FB && G <= FG) {
         done = calloc((size_t)R, 1);
         if (!done || prefill_blocks_f32((const float *)q, q_sr, q_sh, (const float *)cache,
                                         s_page, s_kv, s_tok, s_head, tables, tables_stride, seq,
