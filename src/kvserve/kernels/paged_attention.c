@@ -6,8 +6,9 @@
  * (row, KV head) pairs; the query heads that share a KV head are done together
  * so each key and value row is read once per item. A prefill chunk's rows read
  * the same pages one after another, so those stay in cache; one row at a time
- * measured faster than torch's flash SDPA here from 64 to 2048-token chunks. With
- * AVX-512 BF16, runs of 16 rows of one sequence go as blocks instead (prefill_blocks).
+ * measured faster than torch's flash SDPA here from 64 to 2048-token chunks. Runs of 16
+ * rows of one sequence go as blocks instead: bf16 with AVX-512 BF16 (prefill_blocks), and
+ * float32 on every build (prefill_blocks_f32).
  *
  * Numerics follow the matmul path it replaces: products accumulate in float32;
  * for bfloat16 inputs the raw scores, the probabilities and the output are
@@ -608,10 +609,10 @@ static void attend(const char *qb, int64_t q_sh, const char *const *keys, const 
  * block's vectors) times the key's value at d (broadcast), read from its page in place: no
  * layout pass, and no sum reduced across a vector. Keys go KW at a time so that 8 chains
  * of sums hide the FMA's latency. The softmax goes down the keys lane-wise (each lane
- * masked to its row's range [lo, lo + n)), and the output KW dims a pass likewise, the
- * values broadcast. Numerics: float32 products and sums as the row path (only their order
- * differs), and a polynomial exp within a few ulp of expf. */
-#pragma GCC diagnostic ignored "-Wpsabi" /* vectors wider than the build's, if any: static */
+ * masked to its row's range [lo, lo + n)) over chunks of VC keys, flash attention's way,
+ * and the output KW dims a pass likewise, the values broadcast. Numerics: float32 products
+ * and sums as the row path (only their order differs), and a polynomial exp within a few
+ * ulp of expf. */
 #if defined(__AVX512F__)
 #define VB 64
 #elif defined(__AVX2__)

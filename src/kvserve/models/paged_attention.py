@@ -123,8 +123,8 @@ class PagedAttention:
         # Prefill chunks go to the kernel too where it computes them in blocks of 16 rows:
         # bf16 with native bf16 dot products, and float32 on every CPU (rows in vector
         # lanes). Both beat SDPA over gathered pages at every prompt length measured: bf16
-        # 2.6-7x from 64 to 8192 tokens, float32 1.05-2.3x from 128 to 8000 (time to the
-        # first token; its AVX2 build 1.04-1.5x; docs/benchmarks.md). bf16 KV without
+        # 2.6-7x from 64 to 8192 tokens, float32 1.1-2.3x from 128 to 8000 (time to the
+        # first token; its AVX2 build 1.0-1.55x; docs/benchmarks.md). bf16 KV without
         # native bf16 walks one row at a time, which loses to SDPA up to ~1K-token chunks,
         # so it keeps SDPA; softcapped layers (Gemma 2) take the torch path for everything.
         self.kernel_prefill = (self.kernels is not None and not self._softcapped
