@@ -6,10 +6,16 @@ ratio and head size the dispatch distinguishes; both the machine's build (the
 AVX-512 BF16 path where the CPU has it) and the portable build.
 """
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+
+from kvserve.kernels.cpu import cpu_kernels
 
 
 def reference(q, cache, tables, seq, lo, n, scale):
@@ -162,3 +168,42 @@ def test_store_kv_writes_each_token_to_its_slot(kernels, dtype):
     assert torch.equal(cache, want)
     with pytest.raises(ValueError, match="dtype"):
         kernels.store_kv(cache, k.double(), v.double(), pages, offs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_blocks_out_of_memory_raise_and_the_next_call_works(dtype):
+    """A block run whose scratch cannot be had raises MemoryError instead of crashing, and
+    the next call computes: a 2^26-key span under an address-space limit 256 MiB above what
+    the process holds (float32 blocks: 512 MiB of key pointers; bf16 blocks: 8 GiB of laid
+    out keys; the row path, where a build has no blocks: each row's scores). In a
+    subprocess: the limit would bind the test session."""
+    code = textwrap.dedent(f"""
+        import resource, torch
+        from kvserve.kernels.cpu import cpu_kernels
+        k = cpu_kernels()
+        cache = torch.randn(1, 2, 16, 1, 64).to(torch.{dtype})
+        q = torch.randn(16, 1, 64).to(torch.{dtype})
+        n = 1 << 26  # keys, every one on page 0 (the table repeats it)
+        tables = torch.zeros(1, n // 16, dtype=torch.int32)
+        rows = torch.zeros(16, dtype=torch.int32)
+        small = torch.arange(1, 17, dtype=torch.int32)
+        huge = torch.full((16,), n, dtype=torch.int32)
+        want = k.paged_attention(q, cache, tables, rows, rows, small, 0.125)  # threads start
+        vm = next(int(line.split()[1]) for line in open("/proc/self/status")
+                  if line.startswith("VmSize")) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.RLIM_INFINITY))
+        try:
+            k.paged_attention(q, cache, tables, rows, rows, huge, 0.125)
+            print("computed")
+        except MemoryError as err:
+            print("raised:", err)
+        print("next call equal:", torch.equal(k.paged_attention(q, cache, tables, rows, rows,
+                                                                small, 0.125), want))
+    """)
+    if cpu_kernels() is None:
+        pytest.skip("no C compiler: the kernels did not build")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "raised: paged_attention: no scratch memory" in done.stdout
+    assert "next call equal: True" in done.stdout

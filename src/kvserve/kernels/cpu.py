@@ -107,9 +107,10 @@ class CpuKernels:
     def paged_attention(self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
                         seq: torch.Tensor, lo: torch.Tensor, n_keys: torch.Tensor,
                         scale: float, lse: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention over pages in place, one query row at a time (on AVX-512 BF16 builds,
-        bf16 runs of 16 rows of one sequence as block products: AMX tiles where granted,
-        vdpbf16ps elsewhere): q [R, Hq, D] -> [R, Hq, D].
+        """Attention over pages in place, one query row at a time, or runs of 16 rows of
+        one sequence as blocks (bf16 on AVX-512 BF16 builds: AMX tiles where granted,
+        vdpbf16ps elsewhere; float32 on every build, the rows in vector lanes):
+        q [R, Hq, D] -> [R, Hq, D].
 
         cache is one layer's pool view [num_pages, 2, T, Hkv, D]. Row r belongs to sequence
         seq[r], whose pages are tables[seq[r]] (page j holds keys [j T, (j + 1) T)), and
