@@ -10,22 +10,13 @@
 
 #include "bf16.h"
 
-/* e^x for x <= 0: Cody-Waite reduction, degree-6 Taylor polynomial, 2^n built in the
- * exponent bits; 0 below -87 (where 2^n would leave the normal range). */
+/* e^x for x <= 0 (bf16.h's pieces), 2^n built in the exponent bits; 0 below -87 (where 2^n
+ * would leave the normal range). */
 static inline float exp_le0(float x) {
     const float xc = x < -87.f ? -87.f : x;
-    const float n = rintf(xc * 1.44269504f);
-    float r = xc - n * 0.693145752f;
-    r = r - n * 1.42860677e-6f;
-    float p = 1.f / 720;
-    p = p * r + 1.f / 120;
-    p = p * r + 1.f / 24;
-    p = p * r + 1.f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
+    const float n = rintf(xc * EXP_LOG2E), r = EXP_R(xc, n);
     bits b; b.u = (uint32_t)((int32_t)n + 127) << 23;
-    return x < -87.f ? 0.f : p * b.f;
+    return x < -87.f ? 0.f : EXP_TAYLOR6(r) * b.f;
 }
 
 /* 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3); sigmoid from

@@ -1,4 +1,5 @@
-/* bfloat16 <-> float32 and loads/stores of float32-or-bfloat16 rows, shared by the kernels. */
+/* bfloat16 <-> float32, loads/stores of float32-or-bfloat16 rows, and the exp the kernels
+ * share. */
 #ifndef KVS_BF16_H
 #define KVS_BF16_H
 
@@ -18,6 +19,16 @@ static inline uint16_t bf16_store(float f) {  /* round to nearest even, as torch
     if ((b.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b.u >> 16) | 0x40);  /* NaN */
     return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
 }
+
+/* e^x for x <= 0, in three pieces that take a float or any GCC float vector (AVX-512
+ * intrinsics' __m512 too): Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2 (n from
+ * EXP_N, rounded by the caller), e^r a degree-6 Taylor polynomial, then times 2^n. Within
+ * 2 ulp of expf. */
+#define EXP_LOG2E 1.44269504f
+#define EXP_R(x, n) ((x) - (n) * 0.693145752f - (n) * 1.42860677e-6f)
+#define EXP_TAYLOR6(r)                                                                        \
+    ((((((((r) * (1.f / 720) + 1.f / 120) * (r) + 1.f / 24) * (r) + 1.f / 6) * (r) + 0.5f) *   \
+       (r) + 1.f) * (r)) + 1.f)
 
 /* f as a bfloat16 tensor would hold it */
 static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }

@@ -143,23 +143,14 @@ INLINE void values_g(const int G, const float *p, const uint16_t *const *rows,
     }
 }
 
-/* e^x for x <= 0 (scores minus their max): Cody-Waite reduction to r in [-ln2/2, ln2/2],
- * a degree-6 Taylor polynomial, 2^n by scalef. Within 2 ulp of expf, far below the bf16
- * rounding that the probabilities get next. */
+/* e^x for x <= 0 (scores minus their max): bf16.h's pieces, 2^n by scalef. Within 2 ulp of
+ * expf, far below the bf16 rounding that the probabilities get next. */
 INLINE __m512 exp_nonpositive(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));  /* e^-103 is 0 in float32 */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+    const __m512 n = _mm512_roundscale_ps(x * EXP_LOG2E,
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
+    const __m512 r = EXP_R(x, n);
+    return _mm512_scalef_ps(EXP_TAYLOR6(r), n);
 }
 
 INLINE __m512 bf16_round512(__m512 x) {  /* round to nearest even, keep as float32 */
@@ -631,23 +622,15 @@ typedef int32_t ivec __attribute__((vector_size(VB)));
 static inline fvec fsplat(float x) { return (fvec){0} + x; }
 static inline fvec fselect(ivec m, fvec a, fvec b) { return (fvec)(((ivec)a & m) | ((ivec)b & ~m)); }
 
-/* e^x lane-wise for x <= 0 (scores less their row's maximum): 2^n e^r with |r| <= ln2 / 2,
- * e^r a degree-6 Taylor polynomial (relative error below 2e-7); 0 below -87 (and for -inf,
- * the masked lanes). */
+/* e^x lane-wise for x <= 0 (scores less their row's maximum): bf16.h's pieces, 2^n built in
+ * the exponent bits; 0 below -87 (and for -inf, the masked lanes). */
 static inline fvec vexp(fvec x) {
     const ivec under = x < -87.f;
     x = fselect(under, fsplat(-87.f), x);
-    const fvec n = (x * 1.44269504f + 12582912.f) - 12582912.f; /* round to nearest */
-    const fvec r = x - n * 0.693145752f - n * 1.42860677e-6f;
-    fvec e = fsplat(1.f / 720);
-    e = e * r + 1.f / 120;
-    e = e * r + 1.f / 24;
-    e = e * r + 1.f / 6;
-    e = e * r + 0.5f;
-    e = e * r + 1.f;
-    e = e * r + 1.f;
+    const fvec n = (x * EXP_LOG2E + 12582912.f) - 12582912.f; /* round to nearest */
+    const fvec r = EXP_R(x, n);
     const ivec scale = (__builtin_convertvector(n, ivec) + 127) << 23;
-    return (fvec)((ivec)(e * (fvec)scale) & ~under);
+    return (fvec)((ivec)(EXP_TAYLOR6(r) * (fvec)scale) & ~under);
 }
 
 /* Scores of the block's rows (qt: D x NV vectors, one query head) against keys krow[0 .. n)
