@@ -54,6 +54,26 @@ static void softmax(float *sc, int n, int G, float scale, int is_bf16, float *ls
     }
 }
 
+/* Where the run of rows of one sequence that starts at row r ends (the prefill blocks take
+ * such runs; seq holds each row's sequence). */
+static int run_end(const int32_t *seq, int R, int r) {
+    int end = r;
+    while (end < R && seq[end] == seq[r]) end++;
+    return end;
+}
+
+/* The keys rows [r0, r0 + count) read between them: [*first, *end). */
+static void key_range(const int32_t *lo, const int32_t *n_keys, int r0, int count, int *first,
+                      int *end) {
+    int a = lo[r0], b = lo[r0] + n_keys[r0];
+    for (int i = r0 + 1; i < r0 + count; i++) {
+        a = lo[i] < a ? lo[i] : a;
+        b = lo[i] + n_keys[i] > b ? lo[i] + n_keys[i] : b;
+    }
+    *first = a;
+    *end = b;
+}
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define HAVE_BF16_DOT 1
@@ -289,6 +309,24 @@ static void vec_values(const uint16_t *p, int span, const uint16_t *vt, int b0, 
 int kvs_amx_ready(void);      /* bf16gemm.c */
 void kvs_amx_configure(void); /* bf16gemm.c: every tile 16 rows of 64 bytes */
 
+static inline void amx_zero_sums(void) { /* sums 0-3 */
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* Sum g (0-3, one a head) += operand tiles 4 x 5, and 6 x 7 if `two`: tile numbers must be
+ * constants, hence the switch. */
+static inline void amx_head_products(int g, int two) {
+    switch (g) {
+    case 0: _tile_dpbf16ps(0, 4, 5); if (two) _tile_dpbf16ps(0, 6, 7); break;
+    case 1: _tile_dpbf16ps(1, 4, 5); if (two) _tile_dpbf16ps(1, 6, 7); break;
+    case 2: _tile_dpbf16ps(2, 4, 5); if (two) _tile_dpbf16ps(2, 6, 7); break;
+    default: _tile_dpbf16ps(3, 4, 5); if (two) _tile_dpbf16ps(3, 6, 7);
+    }
+}
+
 /* Scores of 16 rows of ng <= 4 heads (q: the block's first row of the first head; row
  * stride ldq, head stride ldh elements) against key tiles [t0, t1) into s [ng][16][span]
  * float32. The heads share each key tile (sums 0-3: one a head), so a long span's keys are
@@ -296,10 +334,7 @@ void kvs_amx_configure(void); /* bf16gemm.c: every tile 16 rows of 64 bytes */
 static void amx_scores(const uint16_t *q, int64_t ldq, int64_t ldh, int ng, const uint32_t *kt,
                        int t0, int t1, int D, float *s, int span) {
     for (int t = t0; t < t1; t++) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        amx_zero_sums();
         for (int db = 0; db < D / 32; db += 2) { /* two sets of tiles: 4-5, then 6-7 */
             const int two = db + 1 < D / 32;
             const uint32_t *k = kt + ((size_t)t * (D / 32) + db) * 256;
@@ -309,12 +344,7 @@ static void amx_scores(const uint16_t *q, int64_t ldq, int64_t ldh, int ng, cons
             for (int g = 0; g < ng; g++) {
                 _tile_loadd(4, x + g * ldh, ldq * 2);
                 if (two) _tile_loadd(6, x + g * ldh + 32, ldq * 2);
-                switch (g) {
-                case 0: _tile_dpbf16ps(0, 4, 5); if (two) _tile_dpbf16ps(0, 6, 7); break;
-                case 1: _tile_dpbf16ps(1, 4, 5); if (two) _tile_dpbf16ps(1, 6, 7); break;
-                case 2: _tile_dpbf16ps(2, 4, 5); if (two) _tile_dpbf16ps(2, 6, 7); break;
-                default: _tile_dpbf16ps(3, 4, 5); if (two) _tile_dpbf16ps(3, 6, 7);
-                }
+                amx_head_products(g, two);
             }
         }
         float *o = s + (t - t0) * 16;
@@ -332,10 +362,7 @@ static void amx_values(const uint16_t *p, int span, int ng, const uint16_t *vt, 
                        int D, float *out) {
     const size_t head = (size_t)QB * span;
     for (int dt = 0; dt < D / 16; dt++) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        amx_zero_sums();
         for (int b = b0; b < b1; b += 2) { /* two sets of tiles: 4-5, then 6-7 */
             const int two = b + 1 < b1;
             const uint16_t *v = vt + ((size_t)b * (D / 16) + dt) * 512, *x = p + (b - b0) * 32;
@@ -344,12 +371,7 @@ static void amx_values(const uint16_t *p, int span, int ng, const uint16_t *vt, 
             for (int g = 0; g < ng; g++) {
                 _tile_loadd(4, x + g * head, span * 2);
                 if (two) _tile_loadd(6, x + g * head + 32, span * 2);
-                switch (g) {
-                case 0: _tile_dpbf16ps(0, 4, 5); if (two) _tile_dpbf16ps(0, 6, 7); break;
-                case 1: _tile_dpbf16ps(1, 4, 5); if (two) _tile_dpbf16ps(1, 6, 7); break;
-                case 2: _tile_dpbf16ps(2, 4, 5); if (two) _tile_dpbf16ps(2, 6, 7); break;
-                default: _tile_dpbf16ps(3, 4, 5); if (two) _tile_dpbf16ps(3, 6, 7);
-                }
+                amx_head_products(g, two);
             }
         }
         float *o = out + dt * 16;
@@ -411,11 +433,8 @@ static int prefill_block(int tiles, const uint16_t *q, int64_t q_sr, int64_t q_s
                          const uint32_t *kt, const uint16_t *vt, int k0, const int32_t *lo,
                          const int32_t *n_keys, int r0, int h, int G, int Hq, int D,
                          float scale, uint16_t *out, float *lse) {
-    int kmin = lo[r0], kmax = lo[r0] + n_keys[r0];
-    for (int i = 1; i < QB; i++) {
-        kmin = lo[r0 + i] < kmin ? lo[r0 + i] : kmin;
-        kmax = lo[r0 + i] + n_keys[r0 + i] > kmax ? lo[r0 + i] + n_keys[r0 + i] : kmax;
-    }
+    int kmin, kmax;
+    key_range(lo, n_keys, r0, QB, &kmin, &kmax);
     const int b0 = (kmin - k0) / 32, b1 = kmax > kmin ? (kmax - k0 + 31) / 32 : b0;
     const int span = (b1 - b0) * 32 > 32 ? (b1 - b0) * 32 : 32, base = k0 + b0 * 32;
     const int ng = G % 4 == 0 ? 4 : G % 3 == 0 ? 3 : G % 2 == 0 ? 2 : 1; /* heads a pass */
@@ -467,19 +486,12 @@ static int prefill_blocks(const uint16_t *q, int64_t q_sr, int64_t q_sh, const u
     const int tiles = 0;
 #endif
     int failed = 0;
-    for (int r = 0; r < R;) {
-        int end = r;
-        while (end < R && seq[end] == seq[r]) end++;
+    for (int r = 0, end; r < R; r = end) {
+        end = run_end(seq, R, r);
         const int blocks = (end - r) / QB;
-        if (blocks == 0) {
-            r = end;
-            continue;
-        }
-        int k0 = lo[r], k1 = lo[r] + n_keys[r];
-        for (int i = r; i < r + blocks * QB; i++) {
-            k0 = lo[i] < k0 ? lo[i] : k0;
-            k1 = lo[i] + n_keys[i] > k1 ? lo[i] + n_keys[i] : k1;
-        }
+        if (blocks == 0) continue;
+        int k0, k1;
+        key_range(lo, n_keys, r, blocks * QB, &k0, &k1);
         const int nk = k1 - k0, npad = (nk + 31) / 32 * 32;
         uint32_t *kt = aligned_alloc(64, (size_t)Hkv * npad * D * 2 + 64);
         uint16_t *vt = aligned_alloc(64, (size_t)Hkv * npad * D * 2 + 64);
@@ -512,7 +524,6 @@ static int prefill_blocks(const uint16_t *q, int64_t q_sr, int64_t q_sh, const u
         free(vt);
         if (failed) return -1;
         memset(done + r, 1, (size_t)blocks * QB);
-        r = end;
     }
     return 0;
 }
@@ -761,19 +772,16 @@ static int prefill_blocks_f32(const float *q, int64_t q_sr, int64_t q_sh, const 
                               uint8_t *done) {
     const int G = Hq / Hkv;
     int failed = 0;
-    for (int r = 0; r < R;) {
-        int end = r;
-        while (end < R && seq[end] == seq[r]) end++;
+    for (int r = 0, end; r < R; r = end) {
+        end = run_end(seq, R, r);
         const int blocks = (end - r) / FB;
+        if (blocks == 0) continue; /* decode rows: no parallel region for nothing */
         const int32_t *tbl = tables + (size_t)seq[r] * tables_stride;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
         for (int item = 0; item < blocks * Hkv; item++) {
             const int r0 = r + item / Hkv * FB, h = item % Hkv;
-            int kmin = lo[r0], kmax = lo[r0] + n_keys[r0];
-            for (int i = 1; i < FB; i++) {
-                kmin = lo[r0 + i] < kmin ? lo[r0 + i] : kmin;
-                kmax = lo[r0 + i] + n_keys[r0 + i] > kmax ? lo[r0 + i] + n_keys[r0 + i] : kmax;
-            }
+            int kmin, kmax;
+            key_range(lo, n_keys, r0, FB, &kmin, &kmax);
             const int span = kmax > kmin ? kmax - kmin : 0;
             fvec *v = aligned_alloc(64, ((size_t)2 * G * D + VC) * NV * sizeof(fvec));
             const float **krow = malloc(((size_t)span + 1) * sizeof(float *));
@@ -792,7 +800,6 @@ static int prefill_blocks_f32(const float *q, int64_t q_sr, int64_t q_sh, const 
         }
         if (failed) return -1;
         memset(done + r, 1, (size_t)blocks * FB);
-        r = end;
     }
     return 0;
 }
@@ -811,7 +818,7 @@ int kvs_paged_attention(
     const int G = Hq / Hkv;
     const size_t esize = is_bf16 ? 2 : 4;
     int failed = 0;
-    uint8_t *done = NULL; /* rows the tiles computed */
+    uint8_t *done = NULL; /* rows the blocks computed */
 #ifdef HAVE_BLOCKED_PREFILL
     if (is_bf16 && D % 32 == 0 && R >= QB) {
         done = calloc((size_t)R, 1);
