@@ -21,9 +21,9 @@ static inline uint16_t bf16_store(float f) {  /* round to nearest even, as torch
 }
 
 /* e^x for x <= 0, in three pieces that take a float or any GCC float vector (AVX-512
- * intrinsics' __m512 too): Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2 (n from
- * EXP_N, rounded by the caller), e^r a degree-6 Taylor polynomial, then times 2^n. Within
- * 2 ulp of expf. */
+ * intrinsics' __m512 too): Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2 (n is x
+ * EXP_LOG2E rounded to an integer by the caller, EXP_R gives r), e^r a degree-6 Taylor
+ * polynomial (EXP_TAYLOR6), then the caller's times 2^n. Within 2 ulp of expf. */
 #define EXP_LOG2E 1.44269504f
 #define EXP_R(x, n) ((x) - (n) * 0.693145752f - (n) * 1.42860677e-6f)
 #define EXP_TAYLOR6(r)                                                                        \
