@@ -258,9 +258,12 @@ def breakdown(args: argparse.Namespace) -> dict:
     rest split into what the model's forward spends outside projections and attention
     ("in model": norms, RoPE, activations, embedding, the layers' Python) and what the
     engine does around it ("engine": scheduling, the KV manager, batch tensors,
-    detokenizing)."""
+    detokenizing). The split is of steps that run the layers module by module; "one call"
+    is the step as served, where kernels/decoder.c runs them in one call
+    (models/fused_layers.py: the same kernels, without the wrappers between them)."""
     from kvserve.engine.sampler import Sampler
     from kvserve.models.base import CausalLM
+    from kvserve.models.fused_layers import FusedLayers
     from kvserve.models.layers import Linear
     from kvserve.models.paged_attention import PagedAttention
 
@@ -272,13 +275,14 @@ def breakdown(args: argparse.Namespace) -> dict:
     totals = dict.fromkeys([*parts, "forward"], 0.0)
     patches = [(CausalLM, "compute_logits", "head"), (Linear, "forward", "projections"),
                (PagedAttention, "__call__", "attention"), (Sampler, "sample", "sampling"),
-               (type(engine.model), "forward", "forward")]
+               (type(engine.model), "forward", "forward"), (FusedLayers, "__call__", "")]
     originals = [(cls, name, getattr(cls, name)) for cls, name, _ in patches]
     out = {"cpu": summary(), "dtype": str(engine.model.dtype),
            "quantization": engine.model.quantization, "limits": machine_limits()}
     try:
-        for cls, name, key in patches:
+        for cls, name, key in patches[:-1]:
             setattr(cls, name, _timed(totals, key, getattr(cls, name)))
+        FusedLayers.__call__ = lambda *args: None
         for batch in (1, 32):
             for i, p in enumerate(prompts[:batch]):
                 engine.add_request(f"d{batch}-{i}", {"prompt_token_ids": p},
@@ -298,6 +302,12 @@ def breakdown(args: argparse.Namespace) -> dict:
             row["in model"] = round(ms["forward"] - ms["projections"] - ms["attention"], 2)
             row["engine"] = round(row["rest"] - row["in model"], 2)
             row["step"] = round(total, 2)
+            FusedLayers.__call__ = originals[-1][2]
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            row["one call"] = round((time.perf_counter() - t0) / steps * 1e3, 2)
+            FusedLayers.__call__ = lambda *args: None
             out[f"batch{batch}"] = row
             while engine.has_unfinished():
                 engine.step()
@@ -312,9 +322,12 @@ def gemms(args: argparse.Namespace) -> dict:
     (kernels/bf16gemm.c), then on oneDNN's, swapped in the same engine round by round (a
     busy host slows both alike): ms a step, min and median of 8 rounds of 15 steps each.
     With --prefill L, instead the time to the first token of a fresh L-token prompt (6
-    rounds)."""
+    rounds). Both run the layers module by module (oneDNN's copies have no call
+    kernels/decoder.c could make)."""
+    from kvserve.models.fused_layers import FusedLayers
     from kvserve.models.quant import Bf16Gemm, Q8Bf16Linear
 
+    FusedLayers.__call__ = lambda *args: None
     engine = load(args, 1 << 30)
     warm(engine)
     model = engine.model

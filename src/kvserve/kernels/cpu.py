@@ -90,7 +90,41 @@ _SIGNATURES = {
     "kvs_bf16_ready": (_INT, []),
     "kvs_bf16_pack": (None, [_VP, _I64, _INT, _VP, _INT]),
     "kvs_bf16_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT, _INT]),
+    "kvs_gemma_layers": (_INT, [_VP, _INT, _VP, _VP, _INT, _INT, _INT, _INT, _INT, _INT, _INT,
+                                _F32, _VP, _INT, _VP, _INT]),
 }
+
+
+class Projection(ctypes.Structure):
+    """decoder.c's kvs_linear: a QMatmul's kernel and weight."""
+    _fields_ = [("fn", _VP), ("q", _VP), ("d", _VP), ("N", _I64), ("K", _INT)]
+
+
+class DecoderLayer(ctypes.Structure):
+    """decoder.c's kvs_layer: what one Gemma layer reads."""
+    _fields_ = [*((name, Projection) for name in ("qkv", "o", "gate_up", "down")),
+                *((name, _VP) for name in ("w_in", "w_post_attn", "w_pre_ff", "w_post_ff",
+                                           "w_qk", "cache")),
+                *((name, _I64) for name in ("s_page", "s_kv", "s_tok", "s_head")),
+                ("view", _INT), ("scale", _F32)]
+
+
+class AttentionView(ctypes.Structure):
+    """decoder.c's kvs_view: what a kind of layer sees this step."""
+    _fields_ = [("tables", _VP), ("tables_stride", _I64),
+                *((name, _VP) for name in ("seq", "lo", "n_keys", "pages", "offs", "cos", "sin"))]
+
+    @classmethod
+    def of(cls, tables: torch.Tensor, seq: torch.Tensor, lo: torch.Tensor, n_keys: torch.Tensor,
+           pages: torch.Tensor, offs: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> AttentionView:
+        """From the tensors paged_attention and store_kv take (checked as they check them),
+        and cos/signed sin [R, 1, D] in the rows' dtype."""
+        R = seq.numel()
+        return cls(_ptr(tables, torch.int32), tables.stride(0),
+                   *(_ptr(t, torch.int32, R) for t in (seq, lo, n_keys)),
+                   *(_ptr(t, torch.int64, R) for t in (pages, offs)),
+                   *(_ptr(t, cos.dtype, cos.numel()) for t in (cos, sin)))
 
 
 class CpuKernels:
@@ -356,6 +390,29 @@ class CpuKernels:
         return out
 
 
+    def gemma_layers(self, layers: ctypes.Array, views: ctypes.Array, x: torch.Tensor,
+                     dims: tuple[int, int, int, int, int], eps: float,
+                     w_out: torch.Tensor) -> torch.Tensor:
+        """kvs_gemma_layers: x [M, hidden] (contiguous, the residual stream: updated in
+        place) through `layers`; returns the last layer's output normed by w_out [hidden].
+        dims: (Hq, Hkv, head_dim, intermediate, page size). The arrays' pointers must stay
+        valid for the call (models/fused_layers.py holds their tensors)."""
+        M, hidden = x.shape
+        Hq, Hkv, D, inter, T = dims
+        if x.dtype not in _DTYPES or not x.is_contiguous() or max(hidden, D) > self.MAX_ROW:
+            raise ValueError(f"gemma_layers: contiguous float32/bfloat16 rows <= {self.MAX_ROW}")
+        buf = torch.empty(M * (2 * hidden + (2 * Hq + 2 * Hkv) * D + 3 * inter), dtype=x.dtype)
+        rc = self.lib.kvs_gemma_layers(
+            ctypes.addressof(layers), len(layers), ctypes.addressof(views), x.data_ptr(), M,
+            hidden, Hq, Hkv, D, inter, T, eps, _ptr(w_out, torch.float32, hidden),
+            _DTYPES[x.dtype], buf.data_ptr(), torch.get_num_threads())
+        if rc == 1:
+            raise ValueError("gemma_layers: a projection refused its rows")
+        if rc:
+            raise MemoryError("gemma_layers: no scratch memory for attention")
+        return buf[: M * hidden].view(M, hidden)
+
+
 class QMatmul:
     """kvs_q8_matmul, kvs_q5_matmul, kvs_i8_matmul or kvs_bf16_matmul bound to one packed
     weight (its blocks and scales, each with the dtype the kernel reads, kept alive here; the
@@ -368,6 +425,11 @@ class QMatmul:
                  d: tuple[torch.Tensor, torch.dtype] | None, N: int, K: int) -> None:
         self.fn, self.name, self.weight = fn, name, (q[0], d and d[0])
         self.q_ptr, self.d_ptr, self.N, self.K = _ptr(*q), d and _ptr(*d), N, K
+
+    def projection(self) -> Projection:
+        """The call as decoder.c takes it (valid while this object lives)."""
+        return Projection(ctypes.cast(self.fn, _VP).value, self.q_ptr, self.d_ptr, self.N,
+                          self.K)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.K or x.stride(1) != 1 or x.dtype not in _DTYPES:

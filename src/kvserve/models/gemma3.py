@@ -20,6 +20,7 @@ from kvserve.memory.spec import LayerKind
 from kvserve.models.base import AttentionBackend, CausalLM, DecoderStack, KVLayer, ModelConfig
 from kvserve.models.chat_template import GEMMA_CHAT_TEMPLATE
 from kvserve.models.checkpoint import gguf_common, gguf_rope_scaling, hf_common, hf_rope_scaling
+from kvserve.models.fused_layers import FusedLayers
 from kvserve.models.layers import (
     GatedMLP,
     RMSNorm,
@@ -132,6 +133,7 @@ class Gemma3ForCausalLM(CausalLM):
         self.rope_global = self.rope_local if same else RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling)
         self.embed_scale = math.sqrt(config.hidden_size)
+        self.fused_layers = FusedLayers()  # a step's layers in one kernel call, where it can
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -142,6 +144,9 @@ class Gemma3ForCausalLM(CausalLM):
         local = self.rope_local.cos_sin(positions, x.dtype)
         glob = (local if self.rope_global is self.rope_local
                 else self.rope_global.cos_sin(positions, x.dtype))
+        out = self.fused_layers(self, x, attn, local, glob)
+        if out is not None:
+            return out
         for i, layer in enumerate(self.model.layers):
             x = layer(x, local if self.config.is_sliding(i) else glob, attn)
         return self.model.norm(x)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.cpu_features import bf16_native
-from kvserve.kernels.cpu import kernels_for
+from kvserve.kernels.cpu import QMatmul, kernels_for
 from kvserve.models.quant import Bf16Gemm, QuantLinear
 
 
@@ -74,6 +74,17 @@ class Linear(nn.Linear):
             out = self.quant(x)
             return out if self.bias is None else out + self.bias
         return linear(x, self.weight, self.packed, self.bias)
+
+    def kernel(self, rows: int, dtype: torch.dtype) -> QMatmul | None:
+        """The kernel call forward makes for `rows` rows of `dtype` (kernels/decoder.c runs
+        it), or None where forward takes another path."""
+        if self.bias is not None:
+            return None
+        if self.quant is not None:
+            return self.quant.kernel(rows, dtype)
+        if self.weight.dtype == torch.bfloat16 == dtype and bf16_native():
+            return self.packed.get(self.weight).kernel(rows, dtype)
+        return None
 
 
 def _scale(offset: float) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -201,6 +201,13 @@ class PagedAttention:
                               for g in groups]
         self.all_decode = len(self.decode_rows) == len(seqs) and len(groups) == 1
 
+    def kernel_only(self) -> bool:
+        """Whether this step's every row goes to the kernel through `ranges` and `writes`
+        alone: no prefill chunk through SDPA, no DistAttention shard, no softcapped layer
+        (kernels/decoder.c runs such a step's layers in one call)."""
+        return (self.kernels is not None and not self._softcapped and not self.spread
+                and self.decode_index is None)
+
     def _write_slots(self, spec: str, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pages = []
         for s in self.seqs:

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from kvserve.cpu_features import bf16_native, cpu_flags
-from kvserve.kernels.cpu import CpuKernels, cpu_kernels
+from kvserve.kernels.cpu import CpuKernels, QMatmul, cpu_kernels
 
 QUANTIZATIONS = ("auto", "none", "q8", "q8+bf16", "q8+int8", "fp16", "int8")
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
@@ -131,6 +131,11 @@ class Bf16Gemm:
         """Whether this copy runs on our kernel (else on oneDNN)."""
         return self._own is not None
 
+    def kernel(self, rows: int, dtype: torch.dtype) -> QMatmul | None:
+        """The kernel call that computes `rows` rows of `dtype` (decoder.c's projections),
+        or None where they go elsewhere."""
+        return self._own if dtype == torch.bfloat16 else None
+
     def __call__(self, rows: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self._own is None:
             return torch.ops.mkldnn._linear_pointwise(rows, self._onednn, bias, "none", [], "")
@@ -152,6 +157,10 @@ class Fp16Linear:
 
     def nbytes(self) -> int:
         return self.out_features * self.in_features * 2
+
+    def kernel(self, rows: int, dtype: torch.dtype) -> None:
+        """fbgemm's: no call of ours (Bf16Gemm.kernel)."""
+        return None
 
 
 def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,6 +191,10 @@ class BlockLinear:
     def _bind(self) -> None:
         self.matmul = getattr(self.kernels, f"{self.KIND}_bound")(self.q, self.d,
                                                                   self.in_features)
+
+    def kernel(self, rows: int, dtype: torch.dtype) -> QMatmul | None:
+        """As Bf16Gemm.kernel: float32 and bfloat16 rows alike."""
+        return self.matmul
 
     @classmethod
     def _kernels(cls) -> CpuKernels:
@@ -321,6 +334,10 @@ class Int8Linear:
     def nbytes(self) -> int:
         return self.out_features * (self.in_features + 8)
 
+    def kernel(self, rows: int, dtype: torch.dtype) -> None:
+        """fbgemm's: no call of ours (Bf16Gemm.kernel)."""
+        return None
+
 
 class SplitLinear:
     """Two copies of a weight: Q8_0 (or a file's own Q5_0 blocks) through our int16 kernel
@@ -337,7 +354,14 @@ class SplitLinear:
             return self.q8(x)
         return self._large(x)
 
+    def kernel(self, rows: int, dtype: torch.dtype) -> QMatmul | None:
+        """As Bf16Gemm.kernel, choosing the copy as __call__ does."""
+        return self.q8.kernel(rows, dtype) if rows <= self.SMALL else self._large_kernel(dtype)
+
     def _large(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _large_kernel(self, dtype: torch.dtype) -> QMatmul | None:
         raise NotImplementedError
 
 
@@ -396,6 +420,9 @@ class Q8Bf16Linear(SplitLinear):
             self.bf16 = None
         return self._packed
 
+    def _large_kernel(self, dtype: torch.dtype) -> QMatmul | None:
+        return self.packed.kernel(0, dtype)
+
     def _large(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = self.packed(rows)
@@ -431,6 +458,9 @@ class Q8I8Linear(SplitLinear):
 
     def _large(self, x: torch.Tensor) -> torch.Tensor:
         return self.i8(x)
+
+    def _large_kernel(self, dtype: torch.dtype) -> QMatmul | None:
+        return self.i8.kernel(0, dtype)
 
     def nbytes(self) -> int:
         return self.q8.nbytes() + self.i8.nbytes()

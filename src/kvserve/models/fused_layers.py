@@ -1,0 +1,103 @@
+"""A step's Gemma decoder layers in one call of kernels/decoder.c.
+
+Layer by layer (models/gemma3.py) a step makes eleven kernel calls a layer from Python,
+each behind ~10 us of wrappers (module calls, argument checks, output tensors): 2.4 ms of
+a 9.4 ms decode step of Gemma 3 270M at one row on a 2-core Zen 5, as much as its
+attention and norms compute. decoder.c makes the same calls with the same arguments, so
+a step's outputs are bitwise the modules'. It runs a step where every op of it has a
+kernel of ours: the attention backend sends every row to the kernel
+(PagedAttention.kernel_only), each projection has a kernel call for the step's row count
+(Linear.kernel), and the layers are Gemma 3's (q/k norms, GELU, one norm epsilon).
+Anywhere else the modules run as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvserve.kernels.cpu import AttentionView, DecoderLayer, cpu_kernels
+from kvserve.models.layers import gelu_mul
+
+
+@dataclass
+class _Plan:
+    """The static half of a call for one row count and dtype: every layer's weights,
+    factors and pages, and which (key, RoPE) view each layer reads."""
+
+    layers: ctypes.Array
+    views: list[tuple[tuple[str, int, int], bool]]  # ((spec, window, chunk), sliding)
+    dims: tuple[int, int, int, int, int]
+    eps: float
+    w_out: torch.Tensor
+    keep: list[Any]  # what the pointers point into
+
+
+class FusedLayers:
+    """The model's layers as one kernel call where a step allows it (see the module). What
+    a row count calls is looked up once, at its first step, and kept: the projections'
+    copies do not change after that (q8+bf16 makes its bf16 copy at its first large step,
+    which is that lookup); a caller that swaps them makes a new FusedLayers."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[int, torch.dtype], _Plan | None] = {}
+        self._attn: Any = None
+
+    def __call__(self, model: Any, x: torch.Tensor, attn: Any,
+                 local: tuple[torch.Tensor, ...], glob: tuple[torch.Tensor, ...]
+                 ) -> torch.Tensor | None:
+        """The final norm of the layers' output for embedded rows x [M, hidden] (updated in
+        place), or None where the step takes the modules' path."""
+        kernels, kernel_only = cpu_kernels(), getattr(attn, "kernel_only", None)
+        if (kernels is None or kernel_only is None or attn.kernels is not kernels
+                or not kernel_only() or torch.is_grad_enabled()
+                or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous()):
+            return None
+        if attn is not self._attn:  # another pool: other pages
+            self._plans, self._attn = {}, attn
+        key = (x.shape[0], x.dtype)
+        if key not in self._plans:
+            self._plans[key] = _plan(model, attn, *key)
+        plan = self._plans[key]
+        if plan is None:
+            return None
+        views = (AttentionView * len(plan.views))(*(
+            AttentionView.of(*attn.ranges[k], *attn.writes[k[0]], *(local if sliding else glob))
+            for k, sliding in plan.views))
+        return kernels.gemma_layers(plan.layers, views, x, plan.dims, plan.eps, plan.w_out)
+
+
+def _plan(model: Any, attn: Any, rows: int, dtype: torch.dtype) -> _Plan | None:
+    config, stack = model.config, model.model
+    if not config.qk_norm or config.attn_logit_softcapping is not None:
+        return None
+    keys: list[tuple[tuple[str, int, int], bool]] = []
+    layers, keep = [], []
+    for i, layer in enumerate(stack.layers):
+        a, mlp, b = layer.self_attn, layer.mlp, attn.bindings[i]
+        calls = [p.kernel(rows, dtype) for p in (a.qkv_proj, a.o_proj, mlp.gate_up_proj,
+                                                  mlp.down_proj)]
+        cache = attn.pool.layer(b.spec, b.index)
+        if None in calls or mlp.act is not gelu_mul or cache.dtype != dtype:
+            return None
+        view = ((b.spec, b.window, b.chunk), config.is_sliding(i))
+        if view not in keys:
+            keys.append(view)
+        norms = [layer.input_layernorm, layer.post_attention_layernorm,
+                 layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+        factors = [n.factor() for n in norms]
+        factors.append(a.qk_scale.get(a.q_norm.weight, a.k_norm.weight))
+        if {n.eps for n in norms} | {a.q_norm.eps, stack.norm.eps} != {stack.norm.eps}:
+            return None
+        layers.append(DecoderLayer(*(c.projection() for c in calls),
+                                   *(f.data_ptr() for f in factors), cache.data_ptr(),
+                                   *cache.stride()[:4], keys.index(view), b.scale))
+        keep += [calls, factors, cache]
+    a = stack.layers[0].self_attn
+    dims = (a.n_heads, a.n_kv_heads, a.head_dim, config.intermediate_size, attn.T)
+    w_out = stack.norm.factor()
+    return _Plan((DecoderLayer * len(layers))(*layers), keys, dims, stack.norm.eps, w_out,
+                 keep + [w_out])
