@@ -286,7 +286,7 @@ def breakdown(args: argparse.Namespace) -> dict:
         for batch in (1, 32):
             for i, p in enumerate(prompts[:batch]):
                 engine.add_request(f"d{batch}-{i}", {"prompt_token_ids": p},
-                                   SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))
+                                   SamplingParams(temperature=0, max_tokens=160, ignore_eos=True))
             while any(r.num_computed < len(r.token_ids) - 1
                       for r in [*engine.scheduler.waiting, *engine.scheduler.running]):
                 engine.step()  # prefill (and a first decode step)
