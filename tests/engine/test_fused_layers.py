@@ -80,6 +80,8 @@ def test_fused_steps_equal_the_modules_bitwise(dtype, mode, kw, monkeypatch):
     assert ran == len(got) == len(want)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert fused_tokens == tokens
+    # one plan per row count below the projections' large copies, one for all above
+    assert len(model.fused_layers._plans) <= model.fused_layers._large + 1
 
 
 def test_a_step_without_kernels_takes_the_modules(monkeypatch):

@@ -45,6 +45,7 @@ class FusedLayers:
     def __init__(self) -> None:
         self._plans: dict[tuple[int, torch.dtype], _Plan | None] = {}
         self._attn: Any = None
+        self._large = 0  # the row count from which every projection takes its large copy
 
     def __call__(self, model: Any, x: torch.Tensor, attn: Any,
                  local: tuple[torch.Tensor, ...], glob: tuple[torch.Tensor, ...]
@@ -58,7 +59,11 @@ class FusedLayers:
             return None
         if attn is not self._attn:  # another pool: other pages
             self._plans, self._attn = {}, attn
-        key = (x.shape[0], x.dtype)
+            self._large = 1 + max((getattr(m.quant, "SMALL", 0) for m in model.modules()
+                                   if getattr(m, "quant", None) is not None), default=0)
+        # Row counts from _large up call the same kernels: one plan serves them all (a
+        # prefill step's row count is anything up to the token budget).
+        key = (min(x.shape[0], self._large), x.dtype)
         if key not in self._plans:
             self._plans[key] = _plan(model, attn, *key)
         plan = self._plans[key]
