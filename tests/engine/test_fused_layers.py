@@ -1,4 +1,4 @@
-"""A step's Gemma layers in one kernel call (kernels/decoder.c, models/fused_layers.py): the
+"""A step's decoder layers in one kernel call (kernels/decoder.c, models/fused_layers.py): the
 modules' outputs bit for bit at every step (decode, chunked prefill, both together, prefix
 hits, released windows, batch sizes on both sides of a split linear's SMALL), the modules'
 path wherever a step has an op without a kernel of ours, and out-of-memory and refused
@@ -18,13 +18,33 @@ from kvserve.cpu_features import bf16_native
 from kvserve.kernels.cpu import AttentionView, DecoderLayer, Projection, cpu_kernels
 from kvserve.models.base import CausalLM
 from kvserve.models.fused_layers import FusedLayers
+from kvserve.models.llama import LlamaConfig, LlamaForCausalLM
 from kvserve.models.quant import vnni
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C compiler: no kernels")
 
 
-def tiny(dtype: torch.dtype, mode: str) -> CausalLM:
-    model = tiny_gemma().to(dtype)
+def tiny_llama(qk_norm: bool = False) -> CausalLM:
+    """tiny_gemma's sizes as a Llama (pre-norm, SwiGLU), sliding and full layers as in
+    Qwen2 or Ministral; qk_norm as in Qwen3."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2, qk_norm=qk_norm,
+        max_position_embeddings=512, eos_token_ids=[1])
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+FAMILIES = {"gemma3": tiny_gemma, "llama": tiny_llama, "qwen3": lambda: tiny_llama(True)}
+
+
+def tiny(dtype: torch.dtype, mode: str, family: str = "gemma3") -> CausalLM:
+    model = FAMILIES[family]().to(dtype)
     if mode != "none":
         model.quantize(mode)
     return model
@@ -63,9 +83,10 @@ MODES = [(torch.float32, "q8"), (torch.bfloat16, "q8"), (torch.bfloat16, "q8+bf1
          (torch.bfloat16, "q8+int8"), (torch.bfloat16, "none")]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(("dtype", "mode"), MODES)
 @pytest.mark.parametrize("kw", SETUPS)
-def test_fused_steps_equal_the_modules_bitwise(dtype, mode, kw, monkeypatch):
+def test_fused_steps_equal_the_modules_bitwise(family, dtype, mode, kw, monkeypatch):
     if dtype == torch.bfloat16 and not bf16_native():
         pytest.skip("bf16 projections and attention need native bf16 (AVX-512 BF16 or AMX)")
     if mode == "q8+int8" and not vnni():
@@ -74,7 +95,7 @@ def test_fused_steps_equal_the_modules_bitwise(dtype, mode, kw, monkeypatch):
     n = kw.pop("n", 6)
     ps = prompts(n, (LENGTHS * 4)[:n])
     ps += [ps[0] + [7, 8, 9]]  # a prefix hit on the first prompt
-    model = tiny(dtype, mode)
+    model = tiny(dtype, mode, family)
     want, _, tokens = steps(model, monkeypatch, False, ps, **kw)
     got, ran, fused_tokens = steps(model, monkeypatch, True, ps, **kw)
     assert ran == len(got) == len(want)
@@ -119,7 +140,7 @@ ONE_LAYER = textwrap.dedent("""
         parts = (torch.zeros(1, -(-n // T), dtype=torch.int32), *i32,
                  torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), *cos_sin)
         views = (AttentionView * 1)(AttentionView.of(*parts))
-        return k.gemma_layers(layers(K), views, torch.randn(1, H), (2, 1, D, I, T), 1e-6,
+        return k.decoder_layers(layers(K), views, torch.randn(1, H), (2, 1, D, I, T), 1e-6,
                               w[5, :H])
 """)
 
@@ -152,19 +173,21 @@ def test_attention_out_of_memory_raises_and_the_next_call_works():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "raised: gemma_layers: no scratch memory for attention" in done.stdout
+    assert "raised: decoder_layers: no scratch memory for attention" in done.stdout
     assert "next call finite: True" in done.stdout
 
 
-def test_real_model_greedy_tokens_equal_the_modules(monkeypatch):
-    """Gemma 3 270M as served (`auto`), one and nine sequences: fused steps give the
-    modules' tokens."""
+@pytest.mark.parametrize("name", [None, "smollm2"])
+def test_real_model_greedy_tokens_equal_the_modules(name, monkeypatch):
+    """Gemma 3 270M and SmolLM2-135M as served (`auto`), one and nine sequences: fused
+    steps give the modules' tokens."""
     from kvserve.engine.llm import LLM
     from kvserve.engine.request import SamplingParams
 
-    llm = LLM(kv_memory=1 << 27)
+    llm = LLM(name, kv_memory=1 << 27)
     g = torch.Generator().manual_seed(1)
-    ps = [torch.randint(10, 200_000, (n,), generator=g).tolist() for n in (60, 5, 130) * 3]
+    top = min(200_000, llm.engine.config.vocab_size)
+    ps = [torch.randint(10, top, (n,), generator=g).tolist() for n in (60, 5, 130) * 3]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     def generate(batch):
@@ -179,5 +202,5 @@ def test_real_model_greedy_tokens_equal_the_modules(monkeypatch):
 def test_structures_match_decoder_c():
     """The ctypes structures' sizes are the C structs' (pointers and int64 of 8 bytes)."""
     assert ctypes.sizeof(Projection) == 40
-    assert ctypes.sizeof(DecoderLayer) == 4 * 40 + 6 * 8 + 4 * 8 + 8
+    assert ctypes.sizeof(DecoderLayer) == 4 * 40 + 6 * 8 + 4 * 8 + 16
     assert ctypes.sizeof(AttentionView) == 9 * 8

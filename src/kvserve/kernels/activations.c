@@ -1,4 +1,5 @@
-/* Gemma's gated MLP activation, gelu_tanh(gate) * up, in one pass (CPU).
+/* The gated MLPs' activations, gelu_tanh(gate) * up (Gemma) and silu(gate) * up (Llama's
+ * SwiGLU), in one pass (CPU).
  *
  * As torch ops it is two passes over a [tokens, intermediate] buffer (gelu, then the
  * product), and torch's tanh-GELU is slow on bf16 (~1 ns per element here). This is
@@ -28,8 +29,16 @@ static inline float gelu_tanh(float x) {
     return x * s;
 }
 
-/* out[t][:I] = gelu_tanh(x[t][:I]) * x[t][I:2I]; rows of x are 2I long, out contiguous. */
-void kvs_gelu_mul(const void *x, int n, int I, int is_bf16, void *out, int nthreads) {
+/* x sigmoid(x), the sigmoid from e = e^(-|x|) <= 1 as above. */
+static inline float silu(float x) {
+    const float e = exp_le0(-fabsf(x));
+    return x * (x >= 0.f ? 1.f / (1.f + e) : e / (1.f + e));
+}
+
+/* out[t][:I] = act(x[t][:I]) * x[t][I:2I]; rows of x are 2I long, out contiguous. `use_silu`
+ * is a constant where each entry point inlines this, so each gets its own loops. */
+static inline void act_mul(const void *x, int n, int I, int is_bf16, void *out, int nthreads,
+                           const int use_silu) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if ((int64_t)n * I > PARALLEL_MIN)
     for (int t = 0; t < n; t++) {
         if (is_bf16) {
@@ -37,14 +46,24 @@ void kvs_gelu_mul(const void *x, int n, int I, int is_bf16, void *out, int nthre
             uint16_t *o = (uint16_t *)out + (size_t)t * I;
             #pragma omp simd
             for (int i = 0; i < I; i++) {
-                const float a = bf16_load(bf16_store(gelu_tanh(bf16_load(g[i]))));
+                const float v = bf16_load(g[i]);
+                const float a = bf16_load(bf16_store(use_silu ? silu(v) : gelu_tanh(v)));
                 o[i] = bf16_store(a * bf16_load(up[i]));
             }
         } else {
             const float *g = (const float *)x + (size_t)t * 2 * I, *up = g + I;
             float *o = (float *)out + (size_t)t * I;
             #pragma omp simd
-            for (int i = 0; i < I; i++) o[i] = gelu_tanh(g[i]) * up[i];
+            for (int i = 0; i < I; i++) o[i] = (use_silu ? silu(g[i]) : gelu_tanh(g[i])) * up[i];
         }
     }
+}
+
+/* gelu_tanh(gate) * up (Gemma) and silu(gate) * up (Llama's SwiGLU) of [gate | up] rows. */
+void kvs_gelu_mul(const void *x, int n, int I, int is_bf16, void *out, int nthreads) {
+    act_mul(x, n, I, is_bf16, out, nthreads, 0);
+}
+
+void kvs_silu_mul(const void *x, int n, int I, int is_bf16, void *out, int nthreads) {
+    act_mul(x, n, I, is_bf16, out, nthreads, 1);
 }

@@ -77,6 +77,7 @@ _SIGNATURES = {
                              _VP, _I64, _I64, _INT]),
     "kvs_add_norm": (None, [_VP, _VP, _INT, _INT, _VP, _VP, _F32, _INT, _VP, _INT]),
     "kvs_gelu_mul": (None, [_VP, _INT, _INT, _INT, _VP, _INT]),
+    "kvs_silu_mul": (None, [_VP, _INT, _INT, _INT, _VP, _INT]),
     "kvs_argmax": (None, [_VP, _INT, _I64, _INT, _VP, _INT]),
     "kvs_q8_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT, _INT]),
     "kvs_q8_pack": (None, [_VP, _VP, _I64, _INT, _VP, _VP, _INT]),
@@ -90,7 +91,7 @@ _SIGNATURES = {
     "kvs_bf16_ready": (_INT, []),
     "kvs_bf16_pack": (None, [_VP, _I64, _INT, _VP, _INT]),
     "kvs_bf16_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT, _INT]),
-    "kvs_gemma_layers": (_INT, [_VP, _INT, _VP, _VP, _INT, _INT, _INT, _INT, _INT, _INT, _INT,
+    "kvs_decoder_layers": (_INT, [_VP, _INT, _VP, _VP, _INT, _INT, _INT, _INT, _INT, _INT, _INT,
                                 _F32, _VP, _INT, _VP, _INT]),
 }
 
@@ -101,12 +102,12 @@ class Projection(ctypes.Structure):
 
 
 class DecoderLayer(ctypes.Structure):
-    """decoder.c's kvs_layer: what one Gemma layer reads."""
+    """decoder.c's kvs_layer: what one layer reads."""
     _fields_ = [*((name, Projection) for name in ("qkv", "o", "gate_up", "down")),
                 *((name, _VP) for name in ("w_in", "w_post_attn", "w_pre_ff", "w_post_ff",
                                            "w_qk", "cache")),
                 *((name, _I64) for name in ("s_page", "s_kv", "s_tok", "s_head")),
-                ("view", _INT), ("scale", _F32)]
+                ("view", _INT), ("scale", _F32), ("silu", _INT)]
 
 
 class AttentionView(ctypes.Structure):
@@ -185,12 +186,12 @@ class CpuKernels:
             cache.data_ptr(), *cache.stride()[:4], _ptr(pages, torch.int64, n),
             _ptr(offs, torch.int64, n), k.element_size())
 
-    def norm_rope(self, x: torch.Tensor, scale: torch.Tensor, eps: float,
+    def norm_rope(self, x: torch.Tensor, scale: torch.Tensor | None, eps: float,
                   cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-        """RMSNorm of each head row of x [n, H, D] with scale [H, D] (float32, 1 + w), then
-        RoPE with cos/signed_sin [n, 1, D] if given. Into `out` (x itself is fine), else a
-        new contiguous tensor."""
+        """RMSNorm of each head row of x [n, H, D] with scale [H, D] (float32, 1 + w; no norm
+        where None), then RoPE with cos/signed_sin [n, 1, D] if given. Into `out` (x itself
+        is fine), else a new contiguous tensor."""
         n, H, D = x.shape
         if x.dtype not in _DTYPES or x.stride(-1) != 1 or D > self.MAX_ROW or D % 2:
             raise ValueError(f"norm_rope: float32/bfloat16 rows of even D <= {self.MAX_ROW}")
@@ -198,34 +199,44 @@ class CpuKernels:
         assert out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1
         cos, sin = [_ptr(t, x.dtype, n * D) for t in cos_sin] if cos_sin else (None, None)
         self.lib.kvs_norm_rope(
-            x.data_ptr(), x.stride(0), x.stride(1), n, H, D, _ptr(scale, torch.float32, H * D),
+            x.data_ptr(), x.stride(0), x.stride(1), n, H, D,
+            None if scale is None else _ptr(scale, torch.float32, H * D),
             eps, cos, sin, _DTYPES[x.dtype], out.data_ptr(), out.stride(0), out.stride(1),
             torch.get_num_threads())
         return out
 
-    def add_norm(self, x: torch.Tensor, h: torch.Tensor, w_add: torch.Tensor, eps: float,
-                 w_next: torch.Tensor | None = None) -> torch.Tensor | None:
-        """x += norm(h, w_add) in place; returns norm(x, w_next) when w_next is given.
-        x, h: contiguous [n, D]; the w are float32 (1 + weight) [D]."""
+    def add_norm(self, x: torch.Tensor, h: torch.Tensor, w_add: torch.Tensor | None,
+                 eps: float, w_next: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x += norm(h, w_add) in place (x += h where w_add is None); returns norm(x,
+        w_next) when w_next is given. x, h: contiguous [n, D]; the w are float32 (1 +
+        weight) [D]."""
         n, D = x.shape
         if (x.dtype not in _DTYPES or h.dtype != x.dtype or h.shape != x.shape
                 or not (x.is_contiguous() and h.is_contiguous()) or D > self.MAX_ROW):
             raise ValueError(f"add_norm: two contiguous float32/bfloat16 [n, D <= {self.MAX_ROW}]")
         y = torch.empty_like(x) if w_next is not None else None
         self.lib.kvs_add_norm(
-            x.data_ptr(), h.data_ptr(), n, D, _ptr(w_add, torch.float32, D),
+            x.data_ptr(), h.data_ptr(), n, D,
+            None if w_add is None else _ptr(w_add, torch.float32, D),
             None if w_next is None else _ptr(w_next, torch.float32, D), eps, _DTYPES[x.dtype],
             None if y is None else y.data_ptr(), torch.get_num_threads())
         return y
 
     def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gelu_tanh(gate) * up for gate_up [n, 2I] = [gate | up] (contiguous) -> [n, I]."""
+        return self._act_mul("gelu_mul", gate_up)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up (SwiGLU), as gelu_mul."""
+        return self._act_mul("silu_mul", gate_up)
+
+    def _act_mul(self, name: str, gate_up: torch.Tensor) -> torch.Tensor:
         n, I2 = gate_up.shape
         if gate_up.dtype not in _DTYPES or not gate_up.is_contiguous() or I2 % 2:
-            raise ValueError("gelu_mul: contiguous float32/bfloat16 [n, 2I]")
+            raise ValueError(f"{name}: contiguous float32/bfloat16 [n, 2I]")
         out = torch.empty((n, I2 // 2), dtype=gate_up.dtype)
-        self.lib.kvs_gelu_mul(gate_up.data_ptr(), n, I2 // 2, _DTYPES[gate_up.dtype],
-                              out.data_ptr(), torch.get_num_threads())
+        getattr(self.lib, f"kvs_{name}")(gate_up.data_ptr(), n, I2 // 2, _DTYPES[gate_up.dtype],
+                                         out.data_ptr(), torch.get_num_threads())
         return out
 
     Q8_GROUP = 128  # qmatmul.c interleaves the weights in groups of 4 blocks
@@ -390,26 +401,26 @@ class CpuKernels:
         return out
 
 
-    def gemma_layers(self, layers: ctypes.Array, views: ctypes.Array, x: torch.Tensor,
-                     dims: tuple[int, int, int, int, int], eps: float,
-                     w_out: torch.Tensor) -> torch.Tensor:
-        """kvs_gemma_layers: x [M, hidden] (contiguous, the residual stream: updated in
+    def decoder_layers(self, layers: ctypes.Array, views: ctypes.Array, x: torch.Tensor,
+                       dims: tuple[int, int, int, int, int], eps: float,
+                       w_out: torch.Tensor) -> torch.Tensor:
+        """kvs_decoder_layers: x [M, hidden] (contiguous, the residual stream: updated in
         place) through `layers`; returns the last layer's output normed by w_out [hidden].
         dims: (Hq, Hkv, head_dim, intermediate, page size). The arrays' pointers must stay
         valid for the call (models/fused_layers.py holds their tensors)."""
         M, hidden = x.shape
         Hq, Hkv, D, inter, T = dims
         if x.dtype not in _DTYPES or not x.is_contiguous() or max(hidden, D) > self.MAX_ROW:
-            raise ValueError(f"gemma_layers: contiguous float32/bfloat16 rows <= {self.MAX_ROW}")
+            raise ValueError(f"decoder_layers: contiguous float32/bfloat16 rows <= {self.MAX_ROW}")
         buf = torch.empty(M * (2 * hidden + (2 * Hq + 2 * Hkv) * D + 3 * inter), dtype=x.dtype)
-        rc = self.lib.kvs_gemma_layers(
+        rc = self.lib.kvs_decoder_layers(
             ctypes.addressof(layers), len(layers), ctypes.addressof(views), x.data_ptr(), M,
             hidden, Hq, Hkv, D, inter, T, eps, _ptr(w_out, torch.float32, hidden),
             _DTYPES[x.dtype], buf.data_ptr(), torch.get_num_threads())
         if rc == 1:
-            raise ValueError("gemma_layers: a projection refused its rows")
+            raise ValueError("decoder_layers: a projection refused its rows")
         if rc:
-            raise MemoryError("gemma_layers: no scratch memory for attention")
+            raise MemoryError("decoder_layers: no scratch memory for attention")
         return buf[: M * hidden].view(M, hidden)
 
 

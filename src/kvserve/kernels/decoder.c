@@ -1,12 +1,14 @@
-/* A step's Gemma decoder layers in one call (CPU).
+/* A step's decoder layers in one call (CPU): Gemma's (norms around each sub-block, q/k
+ * norms, GELU) and Llama's (pre-norm blocks, SwiGLU; q/k norms in Qwen3).
  *
- * Each layer is eleven kernel calls (norms, three projections and the MLP's, RoPE, the KV
- * store, attention, GELU). Made from Python one by one they cost ~10 us of wrappers each,
- * about as much as the kernels themselves at one decode row: 2.4 of a 9.4 ms step for
- * Gemma 3 270M on a 2-core Zen 5. Here the same calls run back to back with the same
- * arguments, so the outputs are bitwise those of the layer-by-layer path
- * (models/gemma3.py): a layer's input norm is the previous layer's last add_norm's second
- * output, which kvs_add_norm computes exactly as kvs_norm_rope would.
+ * Each layer is about eleven kernel calls (norms, four projections, RoPE, the KV store,
+ * attention, the activation). Made from Python one by one they cost ~10 us of wrappers
+ * each, about as much as the kernels themselves at one decode row: 2.4-3 ms of a 9.4 ms
+ * step for Gemma 3 270M on a 2-core Zen 5. Here the same calls run back to back with the
+ * same arguments, so the outputs are bitwise those of the module-by-module path
+ * (models/gemma3.py, models/llama.py): a layer's input norm is the previous layer's last
+ * add_norm's second output, which kvs_add_norm computes exactly as kvs_norm_rope would,
+ * and a pre-norm block's add is kvs_add_norm without a norm of its input (torch's add).
  */
 #include <stdint.h>
 
@@ -22,7 +24,9 @@ typedef struct {
     int K;
 } kvs_linear;
 
-/* What one layer reads: its weights, its norms' float32 factors (1 + w), its KV pages. */
+/* What one layer reads: its weights, its norms' float32 factors (Gemma's 1 + w), its KV
+ * pages. A pre-norm block (Llama) has no w_post_attn, w_post_ff (its adds are plain) and
+ * its post-attention norm as w_pre_ff; without q/k norms w_qk is NULL (RoPE alone). */
 typedef struct {
     kvs_linear qkv, o, gate_up, down;
     const float *w_in, *w_post_attn, *w_pre_ff, *w_post_ff;
@@ -31,6 +35,7 @@ typedef struct {
     int64_t s_page, s_kv, s_tok, s_head;
     int view;           /* which of the step's views (kvs_view) the layer attends through */
     float scale;
+    int silu;           /* the MLP's activation: silu (SwiGLU), else tanh-GELU */
 } kvs_layer;
 
 /* What a kind of layer (sliding or full) sees this step, as kvs_paged_attention and
@@ -49,6 +54,7 @@ void kvs_norm_rope(const void *x, int64_t x_ts, int64_t x_hs, int n, int H, int 
 void kvs_add_norm(void *x, const void *h, int n, int D, const float *w_add,
                   const float *w_next, float eps, int is_bf16, void *y, int nthreads);
 void kvs_gelu_mul(const void *x, int n, int I, int is_bf16, void *out, int nthreads);
+void kvs_silu_mul(const void *x, int n, int I, int is_bf16, void *out, int nthreads);
 void kvs_store_kv(const void *k, int64_t k_ts, int64_t k_hs, const void *v, int64_t v_ts,
                   int64_t v_hs, int n, int Hkv, int D, void *cache, int64_t s_page,
                   int64_t s_kv, int64_t s_tok, int64_t s_head, const int64_t *pages,
@@ -63,7 +69,7 @@ int kvs_paged_attention(const void *q, int64_t q_sr, int64_t q_sh, const void *c
  * M * (2 hidden + (2 Hq + 2 Hkv) D + 3 I) elements of x's dtype; its first M * hidden are
  * the last layer's output norm'd by w_out (when not NULL, else left unused). Returns 0, 1
  * if a projection refused its arguments, 2 if attention had no scratch memory. */
-int kvs_gemma_layers(const kvs_layer *layers, int L, const kvs_view *views, void *x, int M,
+int kvs_decoder_layers(const kvs_layer *layers, int L, const kvs_view *views, void *x, int M,
                      int hidden, int Hq, int Hkv, int D, int I, int T, float eps,
                      const float *w_out, int is_bf16, void *buf, int threads) {
     const int64_t es = is_bf16 ? 2 : 4, W = (int64_t)(Hq + 2 * Hkv) * D;
@@ -94,7 +100,7 @@ int kvs_gemma_layers(const kvs_layer *layers, int L, const kvs_view *views, void
         PROJ(1);
         kvs_add_norm(x, h, M, hidden, y->w_post_attn, y->w_pre_ff, eps, is_bf16, xn, threads);
         PROJ(2);
-        kvs_gelu_mul(gu, M, I, is_bf16, act, threads);
+        (y->silu ? kvs_silu_mul : kvs_gelu_mul)(gu, M, I, is_bf16, act, threads);
         PROJ(3);
 #undef PROJ
         kvs_add_norm(x, h, M, hidden, y->w_post_ff, l + 1 < L ? layers[l + 1].w_in : w_out, eps,

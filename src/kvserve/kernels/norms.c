@@ -30,9 +30,9 @@ static inline void norm_row(float *restrict x, const float *restrict scale, int 
     }
 }
 
-/* Rows x[t][h][:D] (strides in elements) -> norm with scale[h][:D], then, when cos is
- * given, rotary embedding with cos/signed_sin [t][:D] (contiguous rows, x's dtype).
- * y may be x (in place). D <= MAX_ROW. */
+/* Rows x[t][h][:D] (strides in elements) -> norm with scale[h][:D] (none where scale is
+ * NULL), then, when cos is given, rotary embedding with cos/signed_sin [t][:D] (contiguous
+ * rows, x's dtype). y may be x (in place). D <= MAX_ROW. */
 void kvs_norm_rope(const void *x, int64_t x_ts, int64_t x_hs, int n, int H, int D,
                    const float *scale, float eps, const void *cos, const void *sin,
                    int is_bf16, void *y, int64_t y_ts, int64_t y_hs, int nthreads) {
@@ -45,7 +45,7 @@ void kvs_norm_rope(const void *x, int64_t x_ts, int64_t x_hs, int n, int H, int 
         }
         for (int h = 0; h < H; h++) {
             load_row(x, t * x_ts + h * x_hs, row, D, is_bf16);
-            norm_row(row, scale + (size_t)h * D, D, eps, is_bf16);
+            if (scale) norm_row(row, scale + (size_t)h * D, D, eps, is_bf16);
             if (cos) {
                 float out[MAX_ROW];
                 const int half = D / 2;
@@ -62,15 +62,16 @@ void kvs_norm_rope(const void *x, int64_t x_ts, int64_t x_hs, int n, int H, int 
     }
 }
 
-/* Residual step, rows of D: x += norm(h, w_add) in place; then, when w_next is given,
- * y = norm(x, w_next) (the next sub-block's input). All rows contiguous. D <= MAX_ROW. */
+/* Residual step, rows of D: x += norm(h, w_add) in place (x += h where w_add is NULL: a
+ * pre-norm block's add); then, when w_next is given, y = norm(x, w_next) (the next
+ * sub-block's input). All rows contiguous. D <= MAX_ROW. */
 void kvs_add_norm(void *x, const void *h, int n, int D, const float *w_add,
                   const float *w_next, float eps, int is_bf16, void *y, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * D > PARALLEL_MIN)
     for (int t = 0; t < n; t++) {
         float a[MAX_ROW], b[MAX_ROW];
         load_row(h, (int64_t)t * D, b, D, is_bf16);
-        norm_row(b, w_add, D, eps, is_bf16);
+        if (w_add) norm_row(b, w_add, D, eps, is_bf16);
         load_row(x, (int64_t)t * D, a, D, is_bf16);
         #pragma omp simd
         for (int d = 0; d < D; d++) a[d] += b[d];

@@ -1,13 +1,14 @@
-"""A step's Gemma decoder layers in one call of kernels/decoder.c.
+"""A step's decoder layers in one call of kernels/decoder.c: Gemma 3's and the Llama
+family's (SmolLM2, Llama, Mistral, Qwen3; Qwen2's biases have no kernel call).
 
-Layer by layer (models/gemma3.py) a step makes eleven kernel calls a layer from Python,
-each behind ~10 us of wrappers (module calls, argument checks, output tensors): 2.4 ms of
-a 9.4 ms decode step of Gemma 3 270M at one row on a 2-core Zen 5, as much as its
-attention and norms compute. decoder.c makes the same calls with the same arguments, so
-a step's outputs are bitwise the modules'. It runs a step where every op of it has a
-kernel of ours: the attention backend sends every row to the kernel
+Module by module (models/gemma3.py, models/llama.py) a step makes about eleven kernel
+calls a layer from Python, each behind ~10 us of wrappers (module calls, argument checks,
+output tensors): 2.4-3 ms of a 9.4 ms decode step of Gemma 3 270M at one row on a 2-core
+Zen 5, as much as its attention and norms compute. decoder.c makes the same calls with the
+same arguments, so a step's outputs are bitwise the modules'. It runs a step where every
+op of it has a kernel of ours: the attention backend sends every row to the kernel
 (PagedAttention.kernel_only), each projection has a kernel call for the step's row count
-(Linear.kernel), and the layers are Gemma 3's (q/k norms, GELU, one norm epsilon).
+(Linear.kernel), RoPE turns whole heads, and the layers' norms share one epsilon.
 Anywhere else the modules run as before.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from kvserve.kernels.cpu import AttentionView, DecoderLayer, cpu_kernels
-from kvserve.models.layers import gelu_mul
+from kvserve.models.layers import gelu_mul, silu_mul
 
 
 @dataclass
@@ -69,40 +70,52 @@ class FusedLayers:
         plan = self._plans[key]
         if plan is None:
             return None
+        if local[0].shape[-1] != plan.dims[2]:  # RoPE on part of each head (Bamba)
+            return None
         views = (AttentionView * len(plan.views))(*(
             AttentionView.of(*attn.ranges[k], *attn.writes[k[0]], *(local if sliding else glob))
             for k, sliding in plan.views))
-        return kernels.gemma_layers(plan.layers, views, x, plan.dims, plan.eps, plan.w_out)
+        return kernels.decoder_layers(plan.layers, views, x, plan.dims, plan.eps, plan.w_out)
 
 
 def _plan(model: Any, attn: Any, rows: int, dtype: torch.dtype) -> _Plan | None:
     config, stack = model.config, model.model
-    if not config.qk_norm or config.attn_logit_softcapping is not None:
+    if getattr(config, "attn_logit_softcapping", None) is not None:
         return None
     keys: list[tuple[tuple[str, int, int], bool]] = []
-    layers, keep = [], []
+    layers, keep, eps = [], [], {stack.norm.eps}
     for i, layer in enumerate(stack.layers):
         a, mlp, b = layer.self_attn, layer.mlp, attn.bindings[i]
         calls = [p.kernel(rows, dtype) for p in (a.qkv_proj, a.o_proj, mlp.gate_up_proj,
                                                   mlp.down_proj)]
         cache = attn.pool.layer(b.spec, b.index)
-        if None in calls or mlp.act is not gelu_mul or cache.dtype != dtype:
+        if None in calls or mlp.act not in (gelu_mul, silu_mul) or cache.dtype != dtype:
             return None
-        view = ((b.spec, b.window, b.chunk), config.is_sliding(i))
+        view = ((b.spec, b.window, b.chunk), config.layer_types[i] == "sliding_attention")
         if view not in keys:
             keys.append(view)
-        norms = [layer.input_layernorm, layer.post_attention_layernorm,
-                 layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
-        factors = [n.factor() for n in norms]
-        factors.append(a.qk_scale.get(a.q_norm.weight, a.k_norm.weight))
-        if {n.eps for n in norms} | {a.q_norm.eps, stack.norm.eps} != {stack.norm.eps}:
-            return None
+        norms, qk_norms = _norms(layer), [a.q_norm, a.k_norm] if hasattr(a, "q_norm") else []
+        eps |= {n.eps for n in [*norms, *qk_norms] if n is not None}
+        qk = a.qk_scale.get(*(n.weight for n in qk_norms)) if qk_norms else None
+        factors = [None if n is None else n.factor() for n in norms] + [qk]
         layers.append(DecoderLayer(*(c.projection() for c in calls),
-                                   *(f.data_ptr() for f in factors), cache.data_ptr(),
-                                   *cache.stride()[:4], keys.index(view), b.scale))
+                                   *(None if f is None else f.data_ptr() for f in factors),
+                                   cache.data_ptr(), *cache.stride()[:4], keys.index(view),
+                                   b.scale, mlp.act is silu_mul))
         keep += [calls, factors, cache]
+    if len(eps) > 1:
+        return None
     a = stack.layers[0].self_attn
     dims = (a.n_heads, a.n_kv_heads, a.head_dim, config.intermediate_size, attn.T)
     w_out = stack.norm.factor()
     return _Plan((DecoderLayer * len(layers))(*layers), keys, dims, stack.norm.eps, w_out,
                  keep + [w_out])
+
+
+def _norms(layer: Any) -> list[Any]:
+    """A layer's norms in decoder.c's order (w_in, w_post_attn, w_pre_ff, w_post_ff): Gemma's
+    four around its two sub-blocks; a pre-norm block's two, its adds plain."""
+    if hasattr(layer, "pre_feedforward_layernorm"):
+        return [layer.input_layernorm, layer.post_attention_layernorm,
+                layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+    return [layer.input_layernorm, None, layer.post_attention_layernorm, None]

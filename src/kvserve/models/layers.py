@@ -125,10 +125,10 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale).type_as(x)
 
 
-def norm_rope(x: torch.Tensor, scale: torch.Tensor, eps: float,
+def norm_rope(x: torch.Tensor, scale: torch.Tensor | None, eps: float,
               cos_sin: tuple[torch.Tensor, ...] | None = None, *,
               in_place: bool = False) -> torch.Tensor:
-    """rms_norm over the last dim, then RoPE if cos_sin is given.
+    """rms_norm over the last dim (none where scale is None), then RoPE if cos_sin is given.
 
     On CPU one compiled pass per row does it (about 10 ops fewer per call, which is most of a
     decode step's small-op time): same rounding points, float32 sums in another order.
@@ -138,10 +138,10 @@ def norm_rope(x: torch.Tensor, scale: torch.Tensor, eps: float,
     D = x.shape[-1]
     if k is not None and x.stride(-1) == 1 and D % 2 == 0 and D <= k.MAX_ROW:
         rows = x.view(-1, 1, D) if x.dim() == 2 else x
-        out = k.norm_rope(rows, scale.expand(rows.shape[1:]).contiguous(), eps, cos_sin,
-                          rows if in_place else None)
+        factors = None if scale is None else scale.expand(rows.shape[1:]).contiguous()
+        out = k.norm_rope(rows, factors, eps, cos_sin, rows if in_place else None)
         return out.view(x.shape)
-    y = rms_norm(x, scale, eps)
+    y = x if scale is None else rms_norm(x, scale, eps)
     return apply_rope(y, *cos_sin) if cos_sin is not None else y
 
 
@@ -285,7 +285,7 @@ class SelfAttention(nn.Module):
             scale = self.qk_scale.get(self.q_norm.weight, self.k_norm.weight)
             qk = norm_rope(qk, scale, self.q_norm.eps, cos_sin, in_place=True)
         elif rot == D:
-            qk = apply_rope(qk, *cos_sin)
+            qk = norm_rope(qk, None, 0.0, cos_sin, in_place=True)
         else:
             qk = torch.cat((apply_rope(qk[..., :rot], *cos_sin), qk[..., rot:]), dim=-1)
         q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)
@@ -311,7 +311,11 @@ def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of the fused projection [gate | up] (Llama's SwiGLU)."""
+    """silu(gate) * up of the fused projection [gate | up] (Llama's SwiGLU); on CPU one
+    compiled pass, as gelu_mul."""
+    k = kernels_for(gate_up)
+    if k is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
+        return k.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
 

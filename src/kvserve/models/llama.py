@@ -17,6 +17,7 @@ from torch import nn
 from kvserve.memory.spec import LayerKind
 from kvserve.models.base import AttentionBackend, CausalLM, DecoderStack, KVLayer, ModelConfig
 from kvserve.models.checkpoint import gguf_common, gguf_rope_scaling, hf_common, hf_rope_scaling
+from kvserve.models.fused_layers import FusedLayers
 from kvserve.models.layers import (
     GatedMLP,
     RMSNorm,
@@ -92,11 +93,14 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(config)
         self.model = DecoderStack(config, LlamaDecoderLayer)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.fused_layers = FusedLayers()  # a step's layers in one kernel call, where it can
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        return self.model.pre_norm(x, self.rope.cos_sin(positions, x.dtype), attn)
+        cos_sin = self.rope.cos_sin(positions, x.dtype)
+        out = self.fused_layers(self, x, attn, cos_sin, cos_sin)
+        return out if out is not None else self.model.pre_norm(x, cos_sin, attn)
 
     def adapt_state_dict(self, state_dict):  # noqa: ANN001, ANN201 - see CausalLM
         return fuse_projections(state_dict)
