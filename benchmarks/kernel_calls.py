@@ -1,7 +1,7 @@
 """How much of a decode step is in kvserve's C kernels and how much in the Python around
 them, with the layers module by module and in one call (kernels/decoder.c).
 
-    python benchmarks/kernel_calls.py [--rows 1 32] [--dtype auto] [--quantization auto]
+    python benchmarks/kernel_calls.py [--rows 1 32] [--model smollm2] [--dtype auto]
 
 Every function of the kernels' library (and each projection's bound kernel) is wrapped
 by a timer; the step is timed around engine.step(). ms a step over 64 decode steps of
@@ -48,7 +48,8 @@ def _timer(fn, totals):  # noqa: ANN001, ANN202 - any ctypes function
 def measure(engine, rows: int, fused: bool) -> dict[str, float]:  # noqa: ANN001
     gen = torch.Generator().manual_seed(0)
     for i in range(rows):
-        prompt = torch.randint(10, 200_000, (128,), generator=gen).tolist()
+        top = min(200_000, engine.config.vocab_size)
+        prompt = torch.randint(10, top, (128,), generator=gen).tolist()
         engine.add_request(f"r{rows}{fused}{i}", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     for _ in range(10):
@@ -81,10 +82,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--model", default=None, help="as kvserve serve's --model")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
     args = ap.parse_args()
-    args.model = None
     engine = load(args, 1 << 30)
     warm(engine)
     out = {"cpu": summary(), "dtype": str(engine.model.dtype),
