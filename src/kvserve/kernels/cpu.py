@@ -400,7 +400,6 @@ class CpuKernels:
                             _DTYPES[logits.dtype], out.data_ptr(), torch.get_num_threads())
         return out
 
-
     def decoder_layers(self, layers: ctypes.Array, views: ctypes.Array, x: torch.Tensor,
                        dims: tuple[int, int, int, int, int], eps: float,
                        w_out: torch.Tensor) -> torch.Tensor:

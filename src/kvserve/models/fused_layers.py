@@ -8,7 +8,7 @@ Zen 5, as much as its attention and norms compute. decoder.c makes the same call
 same arguments, so a step's outputs are bitwise the modules'. It runs a step where every
 op of it has a kernel of ours: the attention backend sends every row to the kernel
 (PagedAttention.kernel_only), each projection has a kernel call for the step's row count
-(Linear.kernel), RoPE turns whole heads, and the layers' norms share one epsilon.
+(Linear.kernel), RoPE rotates whole heads, and the layers' norms share one epsilon.
 Anywhere else the modules run as before.
 """
 
@@ -79,6 +79,8 @@ class FusedLayers:
 
 
 def _plan(model: Any, attn: Any, rows: int, dtype: torch.dtype) -> _Plan | None:
+    """What `rows` rows of `dtype` call in every layer, or None where some op has no kernel
+    of ours (or the layers are not Gemma's or a pre-norm block)."""
     config, stack = model.config, model.model
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return None
