@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import struct
 import tempfile
@@ -52,6 +51,7 @@ HEAD = "tied_head"  # the key prefix of a tied embedding's packed head
 # The header's CRC is written once the data is (the file's order of the tensors is
 # safetensors'): a fixed-width placeholder, overwritten in place, so that nothing moves.
 _CRC_KEY, _CRC_DIGITS = b'"crc32":"', 10
+_CRC_CHUNK = 8 << 20  # bytes read at a time for the check
 _PARTS = ("q", "d", "q5", "d5", "bf16", "i8q", "i8d")  # what a packed layer's packed_state holds
 
 Spec = tuple[tuple[int, ...], torch.dtype]
@@ -273,17 +273,25 @@ def data_crc_soon(path: Path) -> Future[int]:
 
 
 def _data_crc(path: Path, started: threading.Event | None = None) -> int:
-    """The CRC-32 of the bytes after a safetensors file's header, in file order."""
+    """The CRC-32 of the bytes after a safetensors file's header, in file order. Read in
+    chunks into one buffer, not mapped: a mapping's pages count in the process's resident
+    set while it lives (a warm `kvserve generate` peaked at 1.38 GB with the 813 MB file
+    mapped, against what it holds after loading, 0.39 GB). The reads and zlib both release
+    the GIL."""
     try:
-        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            (size,) = struct.unpack_from("<Q", mm)
-            with memoryview(mm) as view, view[8 + size:] as data:
-                if started is not None:
-                    started.set()
-                return zlib.crc32(data)
+        with open(path, "rb", buffering=0) as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            fh.seek(8 + size)
+            if started is not None:
+                started.set()
+            crc, buf = 0, bytearray(_CRC_CHUNK)
+            with memoryview(buf) as view:
+                while n := fh.readinto(buf):
+                    crc = zlib.crc32(view[:n], crc)
+            return crc
     finally:
         if started is not None:
-            started.set()  # also where the file could not be mapped
+            started.set()  # also where the file could not be opened
 
 
 def _stamp_crc(path: Path, state: Mapping[str, torch.Tensor]) -> None:
