@@ -35,9 +35,28 @@ class Sampler:
     ) -> list[int]:
         """One token per row of logits [B, vocab]."""
         out = greedy(logits).tolist()
-        for i, (rid, p) in enumerate(zip(ids, params)):
-            if not p.greedy:
-                out[i] = self._sample_row(logits[i].float(), p, self._generator(rid, p))
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:
+            return out
+        u = torch.cat([torch.rand(1, dtype=torch.float64,
+                                  generator=self._generator(ids[i], params[i])) for i in rows])
+        k = kernels_for(logits)
+        V = logits.shape[-1]
+        # Temperature alone (no top-k or top-p, as OpenAI's defaults): one compiled pass
+        # set over each row (kvs_sample), no [rows, vocab] temporaries.
+        plain = [j for j, i in enumerate(rows) if k is not None and logits.is_contiguous()
+                 and not 0 < params[i].top_k < V and params[i].top_p >= 1.0]
+        if plain:
+            picks = k.sample(logits, [rows[j] for j in plain],
+                             [params[rows[j]].temperature for j in plain], u[plain])
+            for j, token in zip(plain, picks):
+                out[rows[j]] = token
+        rest = [j for j in range(len(rows)) if j not in set(plain)]
+        if rest:
+            picks = self._sample_rows(logits[[rows[j] for j in rest]],
+                                      [params[rows[j]] for j in rest], u[rest])
+            for j, token in zip(rest, picks):
+                out[rows[j]] = token
         return out
 
     def _generator(self, rid: str, p: SamplingParams) -> torch.Generator | None:
@@ -49,18 +68,52 @@ class Sampler:
         return gen
 
     @staticmethod
-    def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-        row = row / p.temperature
-        if p.top_k and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always).
-            # (Explicitly: a top_p below float32's range rounds to 0, and 0 >= 0.)
-            drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
-            drop[0] = False
-            sorted_p[drop] = 0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+    def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     u: torch.Tensor) -> list[int]:
+        """Temperature, top-k and softmax over all rows at once; then per row its top-p
+        nucleus and its uniform u against the cumulative distribution (inverse CDF).
+        The row at a time with a full sort for top-p and torch.multinomial took 10.8 ms a row
+        at temperature alone and 40 ms with top_p (262k-entry vocabulary, 2-core Zen 5): a
+        batch of 32 spent 0.35-1.3 s a step sampling, 13-48x the model's step."""
+        x = logits.float() / torch.tensor([[p.temperature] for p in params])
+        V = x.shape[1]
+        ks = [p.top_k if 0 < p.top_k < V else 0 for p in params]
+        if any(ks):
+            kth = torch.topk(x, max(ks), dim=-1).values
+            for r, k in enumerate(ks):
+                if k:
+                    x[r].masked_fill_(x[r] < kth[r, k - 1], float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        return [_draw(*_nucleus(row, p.top_p), uj) for row, p, uj in zip(probs, params, u)]
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The smallest prefix of probs by decreasing value whose mass reaches top_p (the first
+    token always), as (its probabilities, their token ids); all of probs (ids None) where
+    top_p is 1. The prefix lies in the top K once their mass reaches top_p (every later
+    token's mass before it is larger), so K grows from 1024 only until it does: no sort of
+    the whole vocabulary for the usual nucleus."""
+    if top_p >= 1.0:
+        return probs, None
+    k = min(1024, probs.numel())
+    while True:
+        vals, ids = torch.topk(probs, k)
+        mass = vals.cumsum(0)  # the same sums as over the whole sorted vocabulary's prefix
+        if k == probs.numel() or mass[-1] >= top_p:
+            break
+        k = min(probs.numel(), k * 8)
+    # Mass before each token; a top_p below float32's range rounds to 0, and 0 >= 0.
+    keep = mass - vals < top_p
+    keep[0] = True
+    return vals[keep], ids[keep]
+
+
+def _draw(probs: torch.Tensor, ids: torch.Tensor | None, u: torch.Tensor) -> int:
+    """A token with probability probs[j] / sum(probs): for u uniform in [0, 1), the first j
+    whose cumulative mass passes u * total (float64 sums; a zero-probability token is never
+    picked)."""
+    cdf = probs.double().cumsum(0)
+    total = cdf[-1:]
+    j = min(int(torch.searchsorted(cdf, u.reshape(1) * total, right=True)),
+            int(torch.searchsorted(cdf, total)))  # the last token with mass
+    return j if ids is None else int(ids[j])

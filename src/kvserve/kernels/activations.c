@@ -11,15 +11,6 @@
 
 #include "bf16.h"
 
-/* e^x for x <= 0 (bf16.h's pieces), 2^n built in the exponent bits; 0 below -87 (where 2^n
- * would leave the normal range). */
-static inline float exp_le0(float x) {
-    const float xc = x < -87.f ? -87.f : x;
-    const float n = rintf(xc * EXP_LOG2E), r = EXP_R(xc, n);
-    bits b; b.u = (uint32_t)((int32_t)n + 127) << 23;
-    return x < -87.f ? 0.f : EXP_TAYLOR6(r) * b.f;
-}
-
 /* 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3); sigmoid from
  * e = e^(-2|u|) <= 1, so nothing overflows. */
 static inline float gelu_tanh(float x) {

@@ -3,6 +3,7 @@
 #ifndef KVS_BF16_H
 #define KVS_BF16_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -32,6 +33,15 @@ static inline uint16_t bf16_store(float f) {  /* round to nearest even, as torch
 
 /* f as a bfloat16 tensor would hold it */
 static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
+
+/* e^x for x <= 0 (the pieces above), 2^n built in the exponent bits; 0 below -87 (where 2^n
+ * would leave the normal range). */
+static inline float exp_le0(float x) {
+    const float xc = x < -87.f ? -87.f : x;
+    const float n = rintf(xc * EXP_LOG2E), r = EXP_R(xc, n);
+    bits b; b.u = (uint32_t)((int32_t)n + 127) << 23;
+    return x < -87.f ? 0.f : EXP_TAYLOR6(r) * b.f;
+}
 
 /* dst[0:n] = src[i:i + n] as float32, src float32 or bfloat16 */
 static inline void load_row(const void *src, int64_t i, float *restrict dst, int n,

@@ -79,6 +79,7 @@ _SIGNATURES = {
     "kvs_gelu_mul": (None, [_VP, _INT, _INT, _INT, _VP, _INT]),
     "kvs_silu_mul": (None, [_VP, _INT, _INT, _INT, _VP, _INT]),
     "kvs_argmax": (None, [_VP, _INT, _I64, _INT, _VP, _INT]),
+    "kvs_sample": (None, [_VP, _VP, _INT, _I64, _INT, _VP, _VP, _VP, _INT]),
     "kvs_q8_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT, _INT]),
     "kvs_q8_pack": (None, [_VP, _VP, _I64, _INT, _VP, _VP, _INT]),
     "kvs_q8_quantize": (None, [_VP, _I64, _INT, _VP, _VP, _INT]),
@@ -399,6 +400,21 @@ class CpuKernels:
         self.lib.kvs_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1],
                             _DTYPES[logits.dtype], out.data_ptr(), torch.get_num_threads())
         return out
+
+    def sample(self, logits: torch.Tensor, rows: list[int], temperatures: list[float],
+               u: torch.Tensor) -> list[int]:
+        """For each of `rows` of logits [B, V] (contiguous), a token drawn with probability
+        softmax(logits[row] / temperature), u float64 uniforms in [0, 1) (one a row)."""
+        if logits.dtype not in _DTYPES or not logits.is_contiguous() or logits.dim() != 2:
+            raise ValueError("sample: contiguous float32/bfloat16 [B, V]")
+        K = len(rows)
+        index = torch.tensor(rows, dtype=torch.int32)
+        inv_t = torch.tensor([1.0 / t for t in temperatures], dtype=torch.float32)
+        out = torch.empty(K, dtype=torch.int64)
+        self.lib.kvs_sample(logits.data_ptr(), index.data_ptr(), K, logits.shape[1],
+                            _DTYPES[logits.dtype], inv_t.data_ptr(),
+                            _ptr(u, torch.float64, K), out.data_ptr(), torch.get_num_threads())
+        return out.tolist()
 
     def decoder_layers(self, layers: ctypes.Array, views: ctypes.Array, x: torch.Tensor,
                        dims: tuple[int, int, int, int, int], eps: float,

@@ -1,4 +1,5 @@
-/* Gemma's RMSNorm fused with what surrounds it in a decoder layer (CPU).
+/* Gemma's RMSNorm fused with what surrounds it in a decoder layer, and the sampling
+ * passes over the vocabulary (CPU).
  *
  * A norm written as torch ops is ~8 small ops, each a pass over memory and a
  * dispatch; at decode batch sizes the dispatch dominates. Each function here
@@ -104,5 +105,53 @@ void kvs_argmax(const void *x, int B, int64_t V, int is_bf16, int64_t *out, int 
                     if (buf[i] == top) { best = top; at = i0 + i; break; }
         }
         out[b] = at;
+    }
+}
+
+/* out[k] = a token of row rows[k] of x drawn with probability softmax(x / T): the first
+ * index whose cumulative e^((x - max) / T) passes u[k] times their total (u in [0, 1);
+ * inv_t[k] = 1 / T). Three passes over the row and nothing stored but one sum per chunk of
+ * 1024: the maximum, the chunks' sums, then a rescan of the one chunk the draw falls in
+ * (as torch ops: a float32 copy of the logits, their division, softmax and a cumulative
+ * sum, each a pass that writes the whole [rows, vocab] again). */
+void kvs_sample(const void *x, const int32_t *rows, int K, int64_t V, int is_bf16,
+                const float *inv_t, const double *u, int64_t *out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int k = 0; k < K; k++) {
+        const int64_t base = (int64_t)rows[k] * V, nc = (V + 1023) / 1024;
+        const float it = inv_t[k];
+        float buf[1024], m = -INFINITY;
+        double sums[nc], total = 0.;
+        for (int64_t c = 0; c < nc; c++) {
+            const int n = V - c * 1024 < 1024 ? (int)(V - c * 1024) : 1024;
+            load_row(x, base + c * 1024, buf, n, is_bf16);
+            #pragma omp simd reduction(max : m)
+            for (int i = 0; i < n; i++) m = buf[i] > m ? buf[i] : m;
+        }
+        for (int64_t c = 0; c < nc; c++) {
+            const int n = V - c * 1024 < 1024 ? (int)(V - c * 1024) : 1024;
+            load_row(x, base + c * 1024, buf, n, is_bf16);
+            float s = 0.f;
+            #pragma omp simd reduction(+ : s)
+            for (int i = 0; i < n; i++) s += exp_le0((buf[i] - m) * it);
+            sums[c] = s;
+            total += s;
+        }
+        const double target = u[k] * total;
+        double run = 0.;
+        int64_t c = 0;
+        while (c < nc - 1 && run + sums[c] <= target) run += sums[c++];
+        const int n = V - c * 1024 < 1024 ? (int)(V - c * 1024) : 1024;
+        load_row(x, base + c * 1024, buf, n, is_bf16);
+        int64_t pick = -1;
+        for (int i = 0; i < n; i++) {
+            const float e = exp_le0((buf[i] - m) * it);
+            if (e > 0.f) pick = c * 1024 + i;  /* the last token with mass, if rounding */
+            run += e;                          /* carries the sum past the chunk's end */
+            if (e > 0.f && run > target) break;
+        }
+        if (pick < 0)  /* the draw rounded past every token with mass: the most likely one */
+            kvs_argmax((const char *)x + base * (is_bf16 ? 2 : 4), 1, V, is_bf16, &pick, 1);
+        out[k] = pick;
     }
 }
