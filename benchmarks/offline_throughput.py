@@ -30,11 +30,14 @@ from kvserve.models.quant import QUANTIZATIONS
 MiB = 1 << 20
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], outputs: list[int]) -> dict:
-    """Generate exactly outputs[i] tokens for prompts[i]; returns timing and token counts."""
+def run_engine(engine: LLMEngine, prompts: list[list[int]], outputs: list[int],
+               sampling: dict | None = None) -> dict:
+    """Generate exactly outputs[i] tokens for prompts[i] (greedy, or with `sampling`'s
+    temperature and top_p); returns timing and token counts."""
     for i, (p, n) in enumerate(zip(prompts, outputs)):
         engine.add_request(f"b{i}", {"prompt_token_ids": p},
-                           SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                           SamplingParams(**{"temperature": 0, **(sampling or {})},
+                                          max_tokens=n, ignore_eos=True))
     steps, t0 = 0, time.perf_counter()
     while engine.has_unfinished():
         engine.step()
@@ -87,12 +90,15 @@ def fixed(args: argparse.Namespace) -> dict:
     engine = load(args, 1 << 30)
     warm(engine)
     prompts = fixed_prompts(engine.config.vocab_size)
-    out = {"workload": "32 prompts x 128 tokens, 128 greedy output tokens, EOS ignored",
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
+    how = ("greedy" if not args.temperature else
+           f"temperature {args.temperature}, top_p {args.top_p}")
+    out = {"workload": f"32 prompts x 128 tokens, 128 output tokens ({how}), EOS ignored",
            "model": args.model or "gemma3-270m",
            "dtype": str(engine.model.dtype), "quantization": engine.model.quantization,
            "device": str(engine.model.device), "cpu": summary(),
-           "batch32": run_engine(engine, prompts, [128] * 32),
-           "single_stream": run_engine(engine, prompts[:1], [128]),
+           "batch32": run_engine(engine, prompts, [128] * 32, sampling),
+           "single_stream": run_engine(engine, prompts[:1], [128], sampling),
            "first_token_s": first_token(engine, fixed_prompts(engine.config.vocab_size, 5, 1))}
     if args.hf:  # transformers' generate on the same GGUF and prompts, in the engine's dtype
         dtype = engine.model.dtype
@@ -447,6 +453,8 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="fixed: transformers too")
     ap.add_argument("--kv-mib", type=int, default=512)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.0, help="fixed: sample (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="fixed: with --temperature")
     ap.add_argument("--prefill", type=int, default=0,
                     help="gemms, attention: time a prompt this long")
     args = ap.parse_args()
