@@ -44,6 +44,23 @@ static inline void prefetch_row(const void *row, size_t bytes) {
     for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b);
 }
 
+/* A key row and, vskip bytes on unless vskip is 0, its value row. Both helpers are forced
+ * inline: as calls in scores_g's loop (GCC declined to inline them there) the accumulators
+ * spilled around each one, and decode attention took 1.55x as long. */
+__attribute__((always_inline)) static inline void prefetch_key(const void *row, size_t bytes,
+                                                                int64_t vskip) {
+    prefetch_row(row, bytes);
+    if (vskip) prefetch_row((const char *)row + vskip, bytes);
+}
+
+/* The decode loops walk keys i and h + i together (two streams of pages, scores_g): the
+ * rows AHEAD on in each stream. */
+__attribute__((always_inline)) static inline void prefetch_streams(
+    const void *const *rows, int i, int h, int n, size_t bytes, int64_t vskip) {
+    if (i + AHEAD < h) prefetch_key(rows[i + AHEAD], bytes, vskip);
+    if (h + i + AHEAD < n) prefetch_key(rows[h + i + AHEAD], bytes, vskip);
+}
+
 static inline float dot(const float *restrict a, const float *restrict b, int n) {
     float s = 0.f;
     #pragma omp simd reduction(+ : s)
@@ -100,25 +117,18 @@ static void key_range(const int32_t *lo, const int32_t *n_keys, int r0, int coun
  * independent streams of pages, whose 2G accumulators also hide the dot instruction's
  * latency. A core reads a page run at ~28 GB/s and computes these products at ~39 GB/s;
  * one stream at a time measured 1/(1/28 + 1/39), the two not overlapping. Two streams, and
- * the value rows prefetched with their keys (vskip elements on; value_span) so the values
+ * the value rows prefetched with their keys (vskip bytes on, 0: none; attend) so the values
  * pass finds them in cache: 32 decode rows x 256 keys of Gemma 3 270M's 18 layers, cold
  * pages in random order, 5.74 -> 4.58 ms; 2048 keys 47.9 -> 39.3 ms (Zen 5, 2 threads).
  * q is [G][D] bf16, D % 32 == 0. */
 INLINE void scores_g(const int G, const uint16_t *q, const uint16_t *const *rows, int n,
                      int D, float *sc, int64_t vskip) {
     const int h = (n + 1) / 2;  /* keys i and h + i together: two streams of pages */
-    const int values = (size_t)n * D * 2 <= value_span();
+    const size_t bytes = (size_t)D * 2;
     for (int i = 0; i < h; i++) {
         const int j = h + i < n ? h + i : i;
         const uint16_t *r0 = rows[i], *r1 = rows[j];
-        if (i + AHEAD < h) {
-            prefetch_row(rows[i + AHEAD], (size_t)D * 2);
-            if (values) prefetch_row(rows[i + AHEAD] + vskip, (size_t)D * 2);
-            if (h + i + AHEAD < n) {
-                prefetch_row(rows[h + i + AHEAD], (size_t)D * 2);
-                if (values) prefetch_row(rows[h + i + AHEAD] + vskip, (size_t)D * 2);
-            }
-        }
+        prefetch_streams((const void *const *)rows, i, h, n, bytes, vskip);
         __m512 acc[16];
         for (int a = 0; a < 2 * G; a++) acc[a] = _mm512_setzero_ps();
         for (int d = 0; d < D; d += 32) {
@@ -157,10 +167,8 @@ INLINE void values_g(const int G, const float *p, const uint16_t *const *rows,
         for (int j = 0; j < 2 * W * G; j++) a[j] = _mm512_setzero_ps();
         for (int i = 0; i < h; i++) {
             const uint16_t *r0 = rows[i] + d, *r1 = h + i < n ? rows[h + i] + d : zero;
-            if (d == 0 && i + AHEAD < h) {  /* whole rows: the later blocks read them too */
-                prefetch_row(rows[i + AHEAD], (size_t)D * 2);
-                if (h + i + AHEAD < n) prefetch_row(rows[h + i + AHEAD], (size_t)D * 2);
-            }
+            if (d == 0)  /* whole rows: the later blocks read them too */
+                prefetch_streams((const void *const *)rows, i, h, n, (size_t)D * 2, 0);
             __m512i v[4];
             for (int hh = 0; hh < W; hh++) {
                 const __m512i x = _mm512_loadu_si512(r0 + 32 * hh);
@@ -554,10 +562,10 @@ static int prefill_blocks(const uint16_t *q, int64_t q_sr, int64_t q_sh, const u
 
 /* Returns 0 where G has no instance (the caller takes the float32 path). */
 static int attend_bf16(int G, const uint16_t *q, const uint16_t *const *keys,
-                       const uint16_t *const *vals, const uint16_t *zero, int n, int D,
-                       float scale, float *sc, float *acc, int32_t *pairs, float *lse) {
+                       const uint16_t *const *vals, int64_t vskip, const uint16_t *zero, int n,
+                       int D, float scale, float *sc, float *acc, int32_t *pairs, float *lse) {
     switch (G) {
-#define CASE(g) case g: scores_g(g, q, keys, n, D, sc, vals[0] - keys[0]);               \
+#define CASE(g) case g: scores_g(g, q, keys, n, D, sc, vskip);                            \
                         softmax_bf16(sc, n, g, scale, lse);                               \
                         values_g(g, sc, vals, zero, n, D, acc, pairs); return 1;
     CASE(1) CASE(2) CASE(4) CASE(8)
@@ -583,12 +591,9 @@ static inline const float *row_f32(const char *r, float *buf, int D, int is_bf16
 static void scores_f32(const float *qf, const char *const *rows, int n, int G, int D,
                        int is_bf16, int64_t vskip, float *buf, float *sc) {
     const size_t bytes = (size_t)D * (is_bf16 ? 2 : 4);
-    const int h = (n + 1) / 2, values = (size_t)n * bytes <= value_span();
+    const int h = (n + 1) / 2;
     for (int i = 0; i < h; i++) {
-        for (int j = i + AHEAD; j < n && j <= h + i + AHEAD; j += h) {
-            prefetch_row(rows[j], bytes);
-            if (values) prefetch_row(rows[j] + vskip, bytes);
-        }
+        prefetch_streams((const void *const *)rows, i, h, n, bytes, vskip);
         const float *a = row_f32(rows[i], buf, D, is_bf16);
         const float *b = h + i < n ? row_f32(rows[h + i], buf + D, D, is_bf16) : NULL;
         for (int g = 0; g < G; g++) {
@@ -605,7 +610,7 @@ static void values_f32(const float *p, const char *const *rows, int n, int G, in
     const int h = (n + 1) / 2;
     memset(acc, 0, sizeof(float) * (size_t)G * D);
     for (int i = 0; i < h; i++) {
-        for (int j = i + AHEAD; j < n && j <= h + i + AHEAD; j += h) prefetch_row(rows[j], bytes);
+        prefetch_streams((const void *const *)rows, i, h, n, bytes, 0);
         const float *a = row_f32(rows[i], buf, D, is_bf16);
         const float *b = h + i < n ? row_f32(rows[h + i], buf + D, D, is_bf16) : NULL;
         for (int g = 0; g < G; g++) {
@@ -638,6 +643,8 @@ static void attend(const char *qb, int64_t q_sh, const char *const *keys, const 
         return;
     }
     for (int i = 0; i < n; i++) vals[i] = keys[i] + kv_bytes;
+    /* the scores pass prefetches the value rows too while they fit L2 (value_span) */
+    const int64_t vskip = (size_t)n * D * esize <= value_span() ? kv_bytes : 0;
     int done = 0;
 #ifdef HAVE_BF16_DOT
     if (is_bf16 && D % 64 == 0) {
@@ -646,14 +653,14 @@ static void attend(const char *qb, int64_t q_sh, const char *const *keys, const 
             memcpy(q16 + (size_t)g * D, qb + (size_t)g * q_sh * esize, (size_t)D * 2);
         memset(row, 0, sizeof(float) * D);
         done = attend_bf16(G, q16, (const uint16_t *const *)keys, (const uint16_t *const *)vals,
-                           (const uint16_t *)row, n, D, scale, sc, acc,
+                           vskip, (const uint16_t *)row, n, D, scale, sc, acc,
                            (int32_t *)(sc + (size_t)G * n), lse);
     }
 #endif
     if (!done) {
         for (int g = 0; g < G; g++)
             load_row(qb + (size_t)g * q_sh * esize, 0, qf + (size_t)g * D, D, is_bf16);
-        scores_f32(qf, keys, n, G, D, is_bf16, kv_bytes, row, sc);
+        scores_f32(qf, keys, n, G, D, is_bf16, vskip, row, sc);
         softmax(sc, n, G, scale, is_bf16, lse);
         values_f32(sc, (const char *const *)vals, n, G, D, is_bf16, row, acc);
     }
