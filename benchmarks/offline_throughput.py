@@ -281,14 +281,16 @@ def breakdown(args: argparse.Namespace) -> dict:
     totals = dict.fromkeys([*parts, "forward"], 0.0)
     patches = [(CausalLM, "compute_logits", "head"), (Linear, "forward", "projections"),
                (PagedAttention, "__call__", "attention"), (Sampler, "sample", "sampling"),
-               (type(engine.model), "forward", "forward"), (FusedLayers, "__call__", "")]
+               (type(engine.model), "forward", "forward")]
     originals = [(cls, name, getattr(cls, name)) for cls, name, _ in patches]
+    one_call = FusedLayers.__call__
+    originals.append((FusedLayers, "__call__", one_call))
     out = {"cpu": summary(), "dtype": str(engine.model.dtype),
            "quantization": engine.model.quantization, "limits": machine_limits()}
     try:
-        for cls, name, key in patches[:-1]:
+        for cls, name, key in patches:
             setattr(cls, name, _timed(totals, key, getattr(cls, name)))
-        FusedLayers.__call__ = lambda *args: None
+        FusedLayers.__call__ = _module_by_module
         for batch in (1, 32):
             for i, p in enumerate(prompts[:batch]):
                 engine.add_request(f"d{batch}-{i}", {"prompt_token_ids": p},
@@ -308,12 +310,12 @@ def breakdown(args: argparse.Namespace) -> dict:
             row["in model"] = round(ms["forward"] - ms["projections"] - ms["attention"], 2)
             row["engine"] = round(row["rest"] - row["in model"], 2)
             row["step"] = round(total, 2)
-            FusedLayers.__call__ = originals[-1][2]
+            FusedLayers.__call__ = one_call
             t0 = time.perf_counter()
             for _ in range(steps):
                 engine.step()
             row["one call"] = round((time.perf_counter() - t0) / steps * 1e3, 2)
-            FusedLayers.__call__ = lambda *args: None
+            FusedLayers.__call__ = _module_by_module
             out[f"batch{batch}"] = row
             while engine.has_unfinished():
                 engine.step()
@@ -321,6 +323,12 @@ def breakdown(args: argparse.Namespace) -> dict:
         for cls, name, fn in originals:
             setattr(cls, name, fn)
     return out
+
+
+def _module_by_module(*args: object) -> None:
+    """FusedLayers.__call__ for runs that time the layers module by module: no step in one
+    call."""
+    return None
 
 
 def gemms(args: argparse.Namespace) -> dict:
@@ -333,7 +341,7 @@ def gemms(args: argparse.Namespace) -> dict:
     from kvserve.models.fused_layers import FusedLayers
     from kvserve.models.quant import Bf16Gemm, Q8Bf16Linear
 
-    FusedLayers.__call__ = lambda *args: None
+    FusedLayers.__call__ = _module_by_module
     engine = load(args, 1 << 30)
     warm(engine)
     model = engine.model
