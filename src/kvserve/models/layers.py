@@ -53,11 +53,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Derived,
     elsewhere (AVX2-only) F.linear's emulated bf16 is the correct path. Other dtypes,
     devices and autograd take F.linear too.
     """
-    if (x.device.type == "cpu" and weight.dtype == torch.bfloat16 == x.dtype
-            and not torch.is_grad_enabled() and bf16_native()):
+    if x.device.type == "cpu" and not torch.is_grad_enabled() and _packs(weight, x.dtype):
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         return packed.get(weight)(rows, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def _packs(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether rows of `dtype` times this weight go through its packed bf16 copy."""
+    return weight.dtype == torch.bfloat16 == dtype and bf16_native()
 
 
 class Linear(nn.Linear):
@@ -82,7 +86,7 @@ class Linear(nn.Linear):
             return None
         if self.quant is not None:
             return self.quant.kernel(rows, dtype)
-        if self.weight.dtype == torch.bfloat16 == dtype and bf16_native():
+        if _packs(self.weight, dtype):
             return self.packed.get(self.weight).kernel(rows, dtype)
         return None
 
