@@ -22,18 +22,28 @@ def test_greedy_is_argmax_with_first_index_on_ties(dtype, vocab):
     assert torch.equal(greedy(logits), logits.float().argmax(dim=-1))
 
 
+def strided(logits: torch.Tensor, compiled: bool) -> torch.Tensor:
+    """logits as such (the compiled pass takes them), or as a strided view of a wider tensor
+    (no kernel takes it: torch's ops do)."""
+    if compiled:
+        return logits
+    wide = torch.zeros(logits.shape[0], logits.shape[1] + 3, dtype=logits.dtype)
+    wide[:, :logits.shape[1]] = logits
+    return wide[:, :logits.shape[1]]
+
+
 @settings(max_examples=60, deadline=None)
 @given(temperature=st.one_of(st.just(5e-324), st.floats(0, 1e6)),
        top_p=st.one_of(st.just(5e-324), st.floats(1e-320, 1.0, exclude_min=False)),
        top_k=st.integers(0, 300), seed=st.one_of(st.none(), st.integers(0, 2**32)),
-       spread=st.sampled_from([0.0, 1.0, 1e4]))
-def test_any_valid_params_sample_a_token(temperature, top_p, top_k, seed, spread):
+       spread=st.sampled_from([0.0, 1.0, 1e4]), compiled=st.booleans())
+def test_any_valid_params_sample_a_token(temperature, top_p, top_k, seed, spread, compiled):
     # Found by fuzzing the API: a top_p below float32's range (5e-324) dropped every token
     # and the engine step failed for the whole batch; a denormal temperature made NaNs.
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     params.validate(vocab_size=257)
     logits = torch.randn(2, 257, generator=torch.Generator().manual_seed(1)) * spread
-    tokens = Sampler().sample(logits, ["a", "b"], [params, params])
+    tokens = Sampler().sample(strided(logits, compiled), ["a", "b"], [params, params])
     assert all(0 <= t < 257 for t in tokens)
     if spread and params.greedy:  # no ties to break
         assert tokens == greedy(logits).tolist()
@@ -41,32 +51,35 @@ def test_any_valid_params_sample_a_token(temperature, top_p, top_k, seed, spread
 
 def exact(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution a row is drawn from, in float64: softmax(logits / T) over its top_k,
-    then its top_p nucleus (by a full sort), renormalised."""
+    then its top_p nucleus by a full sort (the first token and each with mass before it
+    below top_p, and every token tied with the last of those), renormalised."""
     x = logits.double() / p.temperature
     if 0 < p.top_k < x.numel():
         x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if p.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
-        drop[0] = False
-        probs = probs.scatter(0, order[drop], 0.0)
+        sorted_p, _ = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < p.top_p
+        keep[0] = True
+        probs = probs.masked_fill(probs < sorted_p[keep][-1], 0.0)
     return probs / probs.sum()
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0), SamplingParams(temperature=0.3),
-    SamplingParams(temperature=0.8, top_p=0.6), SamplingParams(temperature=1.0, top_k=5),
-    SamplingParams(temperature=1.5, top_k=20, top_p=0.9)])
+PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.3),
+          SamplingParams(temperature=0.8, top_p=0.6), SamplingParams(temperature=1.0, top_k=5),
+          SamplingParams(temperature=1.5, top_k=20, top_p=0.9)]
+
+
+@pytest.mark.parametrize("params", PARAMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_draws_follow_the_distribution(params, dtype):
-    """15,000 draws from each of 2 rows (the compiled pass where temperature is alone,
-    torch's ops with top-k or top-p; 500 rows a call, torch's seeded default generator):
+@pytest.mark.parametrize("compiled", [True, False], ids=["kvs_sample", "torch"])
+def test_draws_follow_the_distribution(params, dtype, compiled):
+    """15,000 draws from each of 2 rows (500 rows a call, torch's seeded default generator):
     every token drawn is in the support, and the frequencies are within 0.02 of the exact
     distribution in total variation."""
     torch.manual_seed(7)
     logits = (torch.randn(2, 40, generator=torch.Generator().manual_seed(3)) * 2).to(dtype)
-    batch, calls = logits.repeat(250, 1), 60  # rows 0, 1, 0, 1, ...
+    batch, calls = strided(logits.repeat(250, 1), compiled), 60  # rows 0, 1, 0, 1, ...
     sampler, counts = Sampler(), torch.zeros(2, 40)
     for c in range(calls):
         tokens = sampler.sample(batch, [f"{c}-{j}" for j in range(500)], [params] * 500)
@@ -79,10 +92,35 @@ def test_draws_follow_the_distribution(params, dtype):
         assert 0.5 * (counts[row] / n - want).abs().sum() < 0.02
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["kvs_sample", "torch"])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=4),
+                                    SamplingParams(temperature=1.0, top_p=0.7),
+                                    SamplingParams(temperature=1.0, top_k=4, top_p=0.7)])
+def test_tokens_tied_with_the_last_kept_are_kept(params, compiled):
+    """bfloat16 logits hold many equal values. Three tokens of 2.0, five of 1.0, the rest
+    far below: top_k 4, and top_p 0.7 (the 2.0s hold 0.62 of the mass, and a sort would keep
+    two of the 1.0s), keep all eight, whichever of the ties a sort would put first."""
+    logits = torch.full((1, 300), -30.0)
+    logits[0, [7, 100, 299]] = 2.0
+    logits[0, [0, 50, 51, 200, 298]] = 1.0
+    batch = strided(logits.to(torch.bfloat16).repeat(400, 1), compiled)
+    sampler, seen = Sampler(), torch.zeros(300)
+    for c in range(10):
+        for token in sampler.sample(batch, [f"{c}-{j}" for j in range(400)], [params] * 400):
+            seen[token] += 1
+    assert set(seen.nonzero().flatten().tolist()) == {0, 7, 50, 51, 100, 200, 298, 299}
+    want = exact(logits[0], params)
+    assert 0.5 * (seen / seen.sum() - want).abs().sum() < 0.03
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_compiled_draw_is_the_inverse_cdf(dtype):
-    """kvs_sample against float64's inverse CDF on a 262k-entry row, for 200 uniforms (those
-    within 1e-6 of a boundary between two tokens are left out: the float32 exps)."""
+@pytest.mark.parametrize("limits", [{}, {"top_k": 50}, {"top_p": 0.9}, {"top_p": 0.999},
+                                    {"top_k": 3000, "top_p": 0.95}, {"top_k": 100000}])
+def test_the_compiled_draw_is_the_inverse_cdf(dtype, limits):
+    """kvs_sample against float64's inverse CDF over what the exact nucleus keeps, on a
+    262k-entry row, for 200 uniforms (those within 1e-6 of a boundary between two tokens
+    left out: the float32 exps). top_k 3000 and 100000 are more than the row's 256 chunks:
+    the floor is bounded by a counting pass instead of the chunks' maxima."""
     from kvserve.kernels.cpu import cpu_kernels
     kernels = cpu_kernels()
     if kernels is None:
@@ -90,9 +128,11 @@ def test_the_compiled_draw_is_the_inverse_cdf(dtype):
     g = torch.Generator().manual_seed(5)
     logits = (torch.randn(3, 262144, generator=g) * 4).to(dtype)
     for row, t in ((2, 0.7), (0, 1.3)):
-        cdf = torch.softmax(logits[row].double() / t, dim=-1).cumsum(0)
+        p = SamplingParams(temperature=t, **limits)
+        cdf = exact(logits[row].float(), p).cumsum(0)
         u = torch.rand(200, dtype=torch.float64, generator=g)
-        got = kernels.sample(logits, [row] * 200, [t] * 200, u)
+        got = kernels.sample(logits, [row] * 200, [t] * 200, u, [p.top_k] * 200,
+                             [p.top_p] * 200)
         want = torch.searchsorted(cdf, u * cdf[-1], right=True)
         near = torch.tensor([(cdf - v * cdf[-1]).abs().min() < 1e-6 for v in u])
         assert [g_ for g_, n_ in zip(got, near) if not n_] == want[~near].tolist()
@@ -100,13 +140,14 @@ def test_the_compiled_draw_is_the_inverse_cdf(dtype):
 
 @pytest.mark.parametrize("top_p", [1e-9, 0.5, 0.9, 0.999, 1 - 1e-7])
 def test_the_nucleus_is_the_full_sorts(top_p):
-    """_nucleus's top-K (grown until it holds the mass) keeps the tokens a full sort keeps."""
+    """torch's _nucleus (a top-K grown until it holds the mass) keeps the tokens a full sort
+    keeps."""
     from kvserve.engine.sampler import _nucleus
     g = torch.Generator().manual_seed(11)
     for spread in (0.5, 3.0):
         probs = torch.softmax(torch.randn(262144, generator=g) * spread, dim=-1)
-        _, ids = _nucleus(probs, top_p)
+        kept = _nucleus(probs, top_p).nonzero().flatten()
         sorted_p, order = probs.sort(descending=True)
         keep = sorted_p.cumsum(0) - sorted_p < top_p
         keep[0] = True
-        assert set(ids.tolist()) == set(order[keep].tolist())
+        assert set(kept.tolist()) == set(order[keep].tolist())

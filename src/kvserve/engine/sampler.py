@@ -38,23 +38,19 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return out
-        u = {i: torch.rand(1, dtype=torch.float64, generator=self._generator(ids[i], params[i]))
-             for i in rows}
+        u = torch.cat([torch.rand(1, dtype=torch.float64,
+                                  generator=self._generator(ids[i], params[i])) for i in rows])
+        picked = [params[i] for i in rows]
         k = kernels_for(logits) if logits.is_contiguous() else None
-        V = logits.shape[-1]
-        # Temperature alone (no top-k or top-p, as OpenAI's defaults): one compiled pass
-        # set over each row (kvs_sample), no [rows, vocab] temporaries.
-        plain = [i for i in rows if k is not None and not 0 < params[i].top_k < V
-                 and params[i].top_p >= 1.0]
-        rest = [i for i in rows if i not in plain]
-        if plain:
-            picks = k.sample(logits, plain, [params[i].temperature for i in plain],
-                             torch.cat([u[i] for i in plain]))
-            _put(out, plain, picks)
-        if rest:
-            picks = self._sample_rows(logits[rest], [params[i] for i in rest],
-                                      [u[i] for i in rest])
-            _put(out, rest, picks)
+        if k is not None:  # one compiled pass set a row (kvs_sample), no [rows, vocab] temporaries
+            V = logits.shape[-1]
+            picks = k.sample(logits, rows, [p.temperature for p in picked], u,
+                             [p.top_k if 0 < p.top_k < V else 0 for p in picked],
+                             [p.top_p for p in picked])
+        else:
+            picks = self._sample_rows(logits[rows], picked, u)
+        for i, token in zip(rows, picks):
+            out[i] = token
         return out
 
     def _generator(self, rid: str, p: SamplingParams) -> torch.Generator | None:
@@ -67,13 +63,13 @@ class Sampler:
 
     @staticmethod
     def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
-                     u: Sequence[torch.Tensor]) -> list[int]:
-        """Temperature, top-k and softmax over all rows at once; then per row its top-p
-        nucleus and its uniform u against the cumulative distribution (inverse CDF).
-        The row at a time with a full sort for top-p and torch.multinomial took 4.4 ms a row
-        at temperature alone and 19 ms with top_p 0.9 (262k-entry vocabulary, 2-core Zen 5):
-        a batch of 32 spent 0.14-0.64 s a step sampling, 5-23x the model's step."""
-        x = logits.float() / torch.tensor([[p.temperature] for p in params])
+                     u: torch.Tensor) -> list[int]:
+        """torch's ops, where the compiled pass cannot run (another device, strided logits):
+        temperature, top-k and softmax over all rows at once; then per row its top-p floor
+        and its uniform u against the cumulative distribution (inverse CDF). Keeps what
+        kvs_sample keeps."""
+        temps = torch.tensor([[p.temperature] for p in params], device=logits.device)
+        x = logits.float() / temps
         V = x.shape[1]
         ks = [p.top_k if 0 < p.top_k < V else 0 for p in params]
         if any(ks):
@@ -82,25 +78,20 @@ class Sampler:
                 if k:
                     x[r].masked_fill_(x[r] < kth[r, k - 1], float("-inf"))
         probs = torch.softmax(x, dim=-1)
-        return [_draw(*_nucleus(row, p.top_p), uj) for row, p, uj in zip(probs, params, u)]
+        return [_draw(_nucleus(row, p.top_p), uj) for row, p, uj in zip(probs, params, u)]
 
 
-def _put(out: list[int], rows: Sequence[int], tokens: Sequence[int]) -> None:
-    for i, token in zip(rows, tokens):
-        out[i] = token
-
-
-def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The smallest prefix of probs by decreasing value whose mass reaches top_p (the first
-    token always), as (its probabilities, their token ids); all of probs (ids None) where
-    top_p is 1. The prefix lies in the top K once their mass reaches top_p (every later
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs with every token outside the top_p nucleus zeroed: the smallest prefix by
+    decreasing value whose mass reaches top_p (the first token always), and the tokens tied
+    with its last. The prefix lies in the top K once their mass reaches top_p (every later
     token's mass before it is larger), so K grows from 1024 only until it does: no sort of
     the whole vocabulary for the usual nucleus."""
     if top_p >= 1.0:
-        return probs, None
+        return probs
     k = min(1024, probs.numel())
     while True:
-        vals, ids = torch.topk(probs, k)
+        vals = torch.topk(probs, k).values
         mass = vals.cumsum(0)  # the same sums as over the whole sorted vocabulary's prefix
         if k == probs.numel() or mass[-1] >= top_p:
             break
@@ -108,15 +99,14 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Ten
     # Mass before each token; a top_p below float32's range rounds to 0, and 0 >= 0.
     keep = mass - vals < top_p
     keep[0] = True
-    return vals[keep], ids[keep]
+    return probs.masked_fill(probs < vals[keep][-1], 0.0)
 
 
-def _draw(probs: torch.Tensor, ids: torch.Tensor | None, u: torch.Tensor) -> int:
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> int:
     """A token with probability probs[j] / sum(probs): for u uniform in [0, 1), the first j
     whose cumulative mass passes u * total (float64 sums; a zero-probability token is never
     picked)."""
     cdf = probs.double().cumsum(0)
     total = cdf[-1:]
-    j = min(int(torch.searchsorted(cdf, u.reshape(1) * total, right=True)),
-            int(torch.searchsorted(cdf, total)))  # the last token with mass
-    return j if ids is None else int(ids[j])
+    return min(int(torch.searchsorted(cdf, u.to(cdf.device).reshape(1) * total, right=True)),
+               int(torch.searchsorted(cdf, total)))  # the last token with mass

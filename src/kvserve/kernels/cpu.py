@@ -79,7 +79,7 @@ _SIGNATURES = {
     "kvs_gelu_mul": (None, [_VP, _INT, _INT, _INT, _VP, _INT]),
     "kvs_silu_mul": (None, [_VP, _INT, _INT, _INT, _VP, _INT]),
     "kvs_argmax": (None, [_VP, _INT, _I64, _INT, _VP, _INT]),
-    "kvs_sample": (None, [_VP, _VP, _INT, _I64, _INT, _VP, _VP, _VP, _INT]),
+    "kvs_sample": (None, [_VP, _VP, _INT, _I64, _INT, _VP, _VP, _VP, _VP, _VP, _VP, _INT]),
     "kvs_q8_matmul": (_INT, [_VP, _VP, _VP, _I64, _INT, _I64, _INT, _VP, _INT, _INT]),
     "kvs_q8_pack": (None, [_VP, _VP, _I64, _INT, _VP, _VP, _INT]),
     "kvs_q8_quantize": (None, [_VP, _I64, _INT, _VP, _VP, _INT]),
@@ -402,18 +402,28 @@ class CpuKernels:
         return out
 
     def sample(self, logits: torch.Tensor, rows: list[int], temperatures: list[float],
-               u: torch.Tensor) -> list[int]:
+               u: torch.Tensor, top_k: list[int] | None = None,
+               top_p: list[float] | None = None) -> list[int]:
         """For each of `rows` of logits [B, V] (contiguous), a token drawn with probability
-        softmax(logits[row] / temperature), u float64 uniforms in [0, 1) (one a row)."""
+        softmax(logits[row] / temperature) over the row's top_k (0: all) and top_p nucleus
+        (1.0: all; ties with the last token kept are kept too), u float64 uniforms in [0, 1)
+        (one a row)."""
         if logits.dtype not in _DTYPES or not logits.is_contiguous() or logits.dim() != 2:
             raise ValueError("sample: contiguous float32/bfloat16 [B, V]")
         K = len(rows)
         index = torch.tensor(rows, dtype=torch.int32)
         inv_t = torch.tensor([1.0 / t for t in temperatures], dtype=torch.float32)
+        ks = torch.tensor(top_k or [0] * K, dtype=torch.int32)
+        ps = torch.tensor(top_p or [1.0] * K, dtype=torch.float64)
+        threads = torch.get_num_threads()
+        # A row's candidates for top-k/top-p: (key, e) pairs, 8 bytes a token, a row a thread.
+        limited = bool(ks.any() or (ps < 1).any())
+        scratch = torch.empty(threads * logits.shape[1] * 2 if limited else 0, dtype=torch.int32)
         out = torch.empty(K, dtype=torch.int64)
         self.lib.kvs_sample(logits.data_ptr(), index.data_ptr(), K, logits.shape[1],
-                            _DTYPES[logits.dtype], inv_t.data_ptr(),
-                            _ptr(u, torch.float64, K), out.data_ptr(), torch.get_num_threads())
+                            _DTYPES[logits.dtype], inv_t.data_ptr(), ks.data_ptr(),
+                            ps.data_ptr(), _ptr(u, torch.float64, K), scratch.data_ptr(),
+                            out.data_ptr(), threads)
         return out.tolist()
 
     def decoder_layers(self, layers: ctypes.Array, views: ctypes.Array, x: torch.Tensor,
