@@ -22,10 +22,16 @@ def test_greedy_is_argmax_with_first_index_on_ties(dtype, vocab):
     assert torch.equal(greedy(logits), logits.float().argmax(dim=-1))
 
 
-def strided(logits: torch.Tensor, compiled: bool) -> torch.Tensor:
-    """logits as such (the compiled pass takes them), or as a strided view of a wider tensor
-    (no kernel takes it: torch's ops do)."""
-    if compiled:
+PATHS = ["kvs_sample", "torch", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+
+
+def on_path(logits: torch.Tensor, path: str) -> torch.Tensor:
+    """logits as the compiled pass takes them (`kvs_sample`), or where only torch's ops do:
+    a strided view of a wider tensor (`torch`), or on the GPU (`cuda`)."""
+    if path == "cuda":
+        return logits.cuda()
+    if path == "kvs_sample":
         return logits
     wide = torch.zeros(logits.shape[0], logits.shape[1] + 3, dtype=logits.dtype)
     wide[:, :logits.shape[1]] = logits
@@ -36,14 +42,14 @@ def strided(logits: torch.Tensor, compiled: bool) -> torch.Tensor:
 @given(temperature=st.one_of(st.just(5e-324), st.floats(0, 1e6)),
        top_p=st.one_of(st.just(5e-324), st.floats(1e-320, 1.0, exclude_min=False)),
        top_k=st.integers(0, 300), seed=st.one_of(st.none(), st.integers(0, 2**32)),
-       spread=st.sampled_from([0.0, 1.0, 1e4]), compiled=st.booleans())
-def test_any_valid_params_sample_a_token(temperature, top_p, top_k, seed, spread, compiled):
+       spread=st.sampled_from([0.0, 1.0, 1e4]), path=st.sampled_from(["kvs_sample", "torch"]))
+def test_any_valid_params_sample_a_token(temperature, top_p, top_k, seed, spread, path):
     # Found by fuzzing the API: a top_p below float32's range (5e-324) dropped every token
     # and the engine step failed for the whole batch; a denormal temperature made NaNs.
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     params.validate(vocab_size=257)
     logits = torch.randn(2, 257, generator=torch.Generator().manual_seed(1)) * spread
-    tokens = Sampler().sample(strided(logits, compiled), ["a", "b"], [params, params])
+    tokens = Sampler().sample(on_path(logits, path), ["a", "b"], [params, params])
     assert all(0 <= t < 257 for t in tokens)
     if spread and params.greedy:  # no ties to break
         assert tokens == greedy(logits).tolist()
@@ -72,14 +78,14 @@ PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.3),
 
 @pytest.mark.parametrize("params", PARAMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("compiled", [True, False], ids=["kvs_sample", "torch"])
-def test_draws_follow_the_distribution(params, dtype, compiled):
+@pytest.mark.parametrize("path", PATHS)
+def test_draws_follow_the_distribution(params, dtype, path):
     """15,000 draws from each of 2 rows (500 rows a call, torch's seeded default generator):
     every token drawn is in the support, and the frequencies are within 0.02 of the exact
     distribution in total variation."""
     torch.manual_seed(7)
     logits = (torch.randn(2, 40, generator=torch.Generator().manual_seed(3)) * 2).to(dtype)
-    batch, calls = strided(logits.repeat(250, 1), compiled), 60  # rows 0, 1, 0, 1, ...
+    batch, calls = on_path(logits.repeat(250, 1), path), 60  # rows 0, 1, 0, 1, ...
     sampler, counts = Sampler(), torch.zeros(2, 40)
     for c in range(calls):
         tokens = sampler.sample(batch, [f"{c}-{j}" for j in range(500)], [params] * 500)
@@ -92,18 +98,18 @@ def test_draws_follow_the_distribution(params, dtype, compiled):
         assert 0.5 * (counts[row] / n - want).abs().sum() < 0.02
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["kvs_sample", "torch"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=4),
                                     SamplingParams(temperature=1.0, top_p=0.7),
                                     SamplingParams(temperature=1.0, top_k=4, top_p=0.7)])
-def test_tokens_tied_with_the_last_kept_are_kept(params, compiled):
+def test_tokens_tied_with_the_last_kept_are_kept(params, path):
     """bfloat16 logits hold many equal values. Three tokens of 2.0, five of 1.0, the rest
     far below: top_k 4, and top_p 0.7 (the 2.0s hold 0.62 of the mass, and a sort would keep
     two of the 1.0s), keep all eight, whichever of the ties a sort would put first."""
     logits = torch.full((1, 300), -30.0)
     logits[0, [7, 100, 299]] = 2.0
     logits[0, [0, 50, 51, 200, 298]] = 1.0
-    batch = strided(logits.to(torch.bfloat16).repeat(400, 1), compiled)
+    batch = on_path(logits.to(torch.bfloat16).repeat(400, 1), path)
     sampler, seen = Sampler(), torch.zeros(300)
     for c in range(10):
         for token in sampler.sample(batch, [f"{c}-{j}" for j in range(400)], [params] * 400):
