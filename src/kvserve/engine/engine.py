@@ -16,6 +16,7 @@ import torch
 from kvserve.cpu_features import bf16_missing, bf16_native, cpu_name
 from kvserve.engine.cost_model import CostModel
 from kvserve.engine.detokenizer import DetokState, detokenize_step, start_state
+from kvserve.engine.heap import keep_large_blocks
 from kvserve.engine.request import (
     CompletionOutput,
     InvalidRequest,
@@ -199,6 +200,8 @@ class LLMEngine:
 
     def __init__(self, model: CausalLM, tokenizer, cfg: EngineConfig) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        if model.device.type == "cpu":  # a step's logits are made and freed every step
+            keep_large_blocks()
         config = self.config = model.config
         vtensor = cfg.kv_backend == "vtensor"
         specs, bindings, shapes = kv_specs(model.kv_layers, model.dtype, full_history=vtensor)
