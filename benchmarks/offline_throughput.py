@@ -89,21 +89,23 @@ def fixed_prompts(vocab_size: int, n: int = 32, seed: int = 0) -> list[list[int]
 def fixed(args: argparse.Namespace) -> dict:
     engine = load(args, 1 << 30)
     warm(engine)
-    prompts = fixed_prompts(engine.config.vocab_size)
+    prompts = fixed_prompts(engine.config.vocab_size, args.batch)
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
     how = ("greedy" if not args.temperature else
            f"temperature {args.temperature}, top_p {args.top_p}")
-    out = {"workload": f"32 prompts x 128 tokens, 128 output tokens ({how}), EOS ignored",
+    out = {"workload": f"{args.batch} prompts x 128 tokens, 128 output tokens ({how}), "
+                       "EOS ignored",
            "model": args.model or "gemma3-270m",
            "dtype": str(engine.model.dtype), "quantization": engine.model.quantization,
            "device": str(engine.model.device), "cpu": summary(),
-           "batch32": run_engine(engine, prompts, [128] * 32, sampling),
+           f"batch{args.batch}": run_engine(engine, prompts, [128] * args.batch, sampling),
            "single_stream": run_engine(engine, prompts[:1], [128], sampling),
            "first_token_s": first_token(engine, fixed_prompts(engine.config.vocab_size, 5, 1))}
     if args.hf:  # transformers' generate on the same GGUF and prompts, in the engine's dtype
         dtype = engine.model.dtype
         del engine
-        out["transformers"] = {"batch32": hf_generate(prompts, [128] * 32, dtype, 32),
+        out["transformers"] = {f"batch{args.batch}": hf_generate(prompts, [128] * args.batch,
+                                                                  dtype, args.batch),
                                "single_stream": hf_generate(prompts[:1], [128], dtype, 1)}
     return out
 
@@ -461,6 +463,7 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="fixed: transformers too")
     ap.add_argument("--kv-mib", type=int, default=512)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--batch", type=int, default=32, help="fixed: prompts run at once")
     ap.add_argument("--temperature", type=float, default=0.0, help="fixed: sample (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="fixed: with --temperature")
     ap.add_argument("--prefill", type=int, default=0,
