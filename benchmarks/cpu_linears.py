@@ -107,7 +107,7 @@ def kernel_linear(w: torch.Tensor):
     """What q8+bf16 runs above its Q8_0 rows (Bf16Gemm: our kernel), bf16 rows."""
     gemm = Bf16Gemm(w.bfloat16())
     if not gemm.on_kernel:
-        raise SystemExit("bf16 kernel: this CPU (or this build) has no native bf16")
+        raise RuntimeError("this CPU (or this build) has no native bf16")
     return lambda x: gemm(x.bfloat16().contiguous())
 
 
@@ -138,12 +138,18 @@ MAKERS = {
 
 
 def candidates(w: torch.Tensor, names: list[str], copies: int = 1) -> dict:
-    """Each named candidate; with copies > 1, each call takes the next of that many copies
-    of the weight, so that the weights come from DRAM as in a decode step of the whole model
-    (every layer's weights together are far more than the L3)."""
+    """Each named candidate (None where this CPU cannot run it: the reason printed); with
+    copies > 1, each call takes the next of that many copies of the weight, so that the
+    weights come from DRAM as in a decode step of the whole model (every layer's weights
+    together are far more than the L3)."""
     fns = {}
     for name in names:
-        made = [MAKERS[name](w.clone() if copies > 1 else w) for _ in range(copies)]
+        try:
+            made = [MAKERS[name](w.clone() if copies > 1 else w) for _ in range(copies)]
+        except RuntimeError as err:  # e.g. oneDNN's bf16 packing on a CPU without AVX-512
+            print(f"{name}: not on this CPU ({str(err).splitlines()[0]})")
+            fns[name] = None
+            continue
         turn = itertools.cycle(made)
         fns[name] = made[0] if copies == 1 else lambda x, turn=turn: next(turn)(x)
     return fns
@@ -179,9 +185,10 @@ def main() -> None:
             best = {c: float("inf") for c in fns}
             for _ in range(args.rounds):  # interleaved rounds, best of each
                 for c, f in fns.items():
-                    best[c] = min(best[c], ms(lambda f=f, x=x: f(x), rep))
+                    if f is not None:
+                        best[c] = min(best[c], ms(lambda f=f, x=x: f(x), rep))
             cells = [f"{t:.3f} ({best['f32'] / t:.1f}x, {best['fbgemm fp16'] / t:.2f}x fp16)"
-                     for t in best.values()]
+                     if t < float("inf") else "n/a" for t in best.values()]
             print(f"| {name} {n}x{k} | {m} | " + " | ".join(cells) + " |", flush=True)
 
 
