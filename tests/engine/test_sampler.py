@@ -55,6 +55,19 @@ def test_any_valid_params_sample_a_token(temperature, top_p, top_k, seed, spread
         assert tokens == greedy(logits).tolist()
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=1.0, top_p=0.9),
+                                    SamplingParams(temperature=1.0, top_k=5)])
+def test_nan_logits_still_give_tokens_in_the_vocabulary(params, path):
+    """A row with a NaN, and a row of NaNs (a model gone wrong, not a request): each still
+    gets a token id the vocabulary has, where torch's path answered one past its end."""
+    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(2))
+    logits[0, 5], logits[1] = float("nan"), float("nan")
+    tokens = Sampler().sample(on_path(logits, path), ["a", "b"], [params, params])
+    assert all(0 <= t < 1000 for t in tokens)
+
+
 def exact(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution a row is drawn from, in float64: softmax(logits / T) over its top_k,
     then its top_p nucleus by a full sort (the first token and each with mass before it

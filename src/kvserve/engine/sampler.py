@@ -34,8 +34,8 @@ class Sampler:
         self, logits: torch.Tensor, ids: Sequence[str], params: Sequence[SamplingParams]
     ) -> list[int]:
         """One token per row of logits [B, vocab]."""
-        out = greedy(logits).tolist()
         rows = [i for i, p in enumerate(params) if not p.greedy]
+        out = greedy(logits).tolist() if len(rows) < len(params) else [0] * len(params)
         if not rows:
             return out
         u = torch.cat([torch.rand(1, dtype=torch.float64,
@@ -108,5 +108,8 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> int:
     picked)."""
     cdf = probs.double().cumsum(0)
     total = cdf[-1:]
-    return min(int(torch.searchsorted(cdf, u.to(cdf.device).reshape(1) * total, right=True)),
-               int(torch.searchsorted(cdf, total)))  # the last token with mass
+    j = min(int(torch.searchsorted(cdf, u.to(cdf.device).reshape(1) * total, right=True)),
+            int(torch.searchsorted(cdf, total)))  # the last token with mass
+    # No finite mass (a model that made NaN logits): a valid token rather than one past the
+    # vocabulary, as kvs_sample does.
+    return j if j < cdf.numel() else int(probs.argmax())
