@@ -83,12 +83,14 @@ static inline __attribute__((always_inline)) void vec_tile(
     for (int p = p0; p < p1; p++) {
         __m512bh wv[ST];
 #pragma GCC unroll 3
-        for (int s = 0; s < ST; s++)
+        for (int s = 0; s < ST; s++) {
+            wv[s] = (__m512bh)_mm512_setzero_si512();  /* unread where s >= S (for gcc) */
             if (s < S) {
                 const uint16_t *bp = b + s * stripe + p * 32;
                 if (prefetch) _mm_prefetch((const char *)(bp + AHEAD * 32), _MM_HINT_T0);
                 wv[s] = (__m512bh)_mm512_loadu_si512(bp);
             }
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < RT; r++)
             if (r < R) {
