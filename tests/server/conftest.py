@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import openai
 import pytest
@@ -27,6 +27,13 @@ def live_server(engine: LLMEngine, name: str = MODEL) -> Iterator[LiveServer]:
     """`engine` behind the real app, served by uvicorn on a free loopback port."""
     with serving(build_app(engine, name)) as url:
         yield LiveServer(url, engine)
+
+
+@pytest.fixture(scope="session")
+def serve_engine() -> Callable[..., contextlib.AbstractContextManager[LiveServer]]:
+    """live_server, for a test that serves an engine of its own (a fixture rather than an
+    import of this conftest, which another directory's conftest can shadow)."""
+    return live_server
 
 
 @pytest.fixture(scope="session")

@@ -69,17 +69,15 @@ def test_counters_and_histograms_move_with_a_request(server: LiveServer, client)
     assert total == value(after, "kvserve_kv_pool_bytes")  # every byte is accounted for
 
 
-def test_host_tier_families_count_what_moved(kv) -> None:
+def test_host_tier_families_count_what_moved(kv, serve_engine) -> None:
     """With --host-kv-memory: host bytes per layer type and the swap counters, moving as a
     prompt evicted from a one-prompt pool comes back from the host tier."""
-    from conftest import live_server
-
     from kvserve.engine.engine import EngineConfig, LLMEngine
 
     prompts = [f"Story {i}: " + "the harbour master counted ships " * 50 for i in range(3)]
     engine = LLMEngine(kv.model, kv.tokenizer,
                        EngineConfig(kv_memory=16 << 20, host_kv_memory=64 << 20))
-    with live_server(engine) as server, httpx.Client(timeout=120) as http:
+    with serve_engine(engine) as server, httpx.Client(timeout=120) as http:
         for p in [*prompts, prompts[0]]:
             http.post(f"{server.base_url}/v1/completions",
                       json={"model": MODEL, "prompt": p, "max_tokens": 1}).raise_for_status()
