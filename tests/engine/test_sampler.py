@@ -157,6 +157,30 @@ def test_the_compiled_draw_is_the_inverse_cdf(dtype, limits):
         assert [g_ for g_, n_ in zip(got, near) if not n_] == want[~near].tolist()
 
 
+@settings(max_examples=120, deadline=None)
+@given(V=st.integers(1, 5000), levels=st.sampled_from([0, 4, 40]),
+       temperature=st.floats(0.05, 20.0), top_k=st.integers(0, 6000),
+       top_p=st.floats(0.01, 1.0), bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_compiled_draws_stay_in_the_nucleus(V, levels, temperature, top_k, top_p, bf16, seed):
+    """Any row length (one chunk, many, a partial last one), ties (logits on a few levels),
+    top_k above the row's chunks or its length: 64 uniforms across [0, 1) draw only tokens
+    that the exact nucleus keeps, with top_p widened by 1e-4 for float32's sums."""
+    from kvserve.kernels.cpu import cpu_kernels
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler: the kernels did not build")
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(seed)) * 3
+    if levels:
+        logits = (logits * levels / 3).round() * 3 / levels
+    logits = logits.to(torch.bfloat16 if bf16 else torch.float32)
+    u = (torch.arange(64, dtype=torch.float64) + 0.5) / 64
+    got = kernels.sample(logits, [0] * 64, [temperature] * 64, u, [top_k] * 64, [top_p] * 64)
+    wide = SamplingParams(temperature=temperature, top_k=top_k,
+                          top_p=min(1.0, top_p * (1 + 1e-4)))
+    allowed = exact(logits[0].float(), wide) > 0
+    assert all(allowed[t] for t in got)
+
+
 @pytest.mark.parametrize("top_p", [1e-9, 0.5, 0.9, 0.999, 1 - 1e-7])
 def test_the_nucleus_is_the_full_sorts(top_p):
     """torch's _nucleus (a top-K grown until it holds the mass) keeps the tokens a full sort
