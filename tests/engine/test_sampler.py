@@ -181,16 +181,20 @@ def test_compiled_draws_stay_in_the_nucleus(V, levels, temperature, top_k, top_p
     assert all(allowed[t] for t in got)
 
 
-@pytest.mark.parametrize("top_p", [1e-9, 0.5, 0.9, 0.999, 1 - 1e-7])
-def test_the_nucleus_is_the_full_sorts(top_p):
-    """torch's _nucleus (a top-K grown until it holds the mass) keeps the tokens a full sort
-    keeps."""
-    from kvserve.engine.sampler import _nucleus
+def test_the_nucleus_is_the_full_sorts():
+    """torch's _top_p_floor (a top-K grown until every row's holds its mass), rows of
+    different top_p in one call, keeps the tokens a full sort keeps, and every token where
+    top_p is 1 (where a sort's float32 sums can reach 1 before the end)."""
+    from kvserve.engine.sampler import _top_p_floor
     g = torch.Generator().manual_seed(11)
+    top_ps = [1e-9, 0.5, 0.9, 0.999, 1 - 1e-7, 1.0]
     for spread in (0.5, 3.0):
-        probs = torch.softmax(torch.randn(262144, generator=g) * spread, dim=-1)
-        kept = _nucleus(probs, top_p).nonzero().flatten()
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < top_p
-        keep[0] = True
-        assert set(kept.tolist()) == set(order[keep].tolist())
+        probs = torch.softmax(torch.randn(len(top_ps), 262144, generator=g) * spread, dim=-1)
+        floor = _top_p_floor(probs, torch.tensor(top_ps, dtype=torch.float64))
+        assert floor[-1] == 0
+        for row, top_p in enumerate(top_ps[:-1]):
+            kept = (probs[row] >= floor[row]).nonzero().flatten()
+            sorted_p, order = probs[row].sort(descending=True)
+            keep = (sorted_p.cumsum(0) - sorted_p).double() < top_p  # top_p as given
+            keep[0] = True
+            assert set(kept.tolist()) == set(order[keep].tolist())
