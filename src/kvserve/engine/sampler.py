@@ -103,19 +103,20 @@ def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     that of the last token of the smallest prefix by decreasing value whose mass reaches
     top_p (the first token always); tokens tied with it are kept too. The prefix lies in
     the top K once their mass reaches top_p (every later token's mass before it is larger),
-    so K grows from 1024 only until every limited row's does: no sort of the vocabulary
-    for the usual nucleus."""
+    so K grows from 1024, 8x at a time, for the rows whose top K does not hold it yet: no
+    sort of the vocabulary for the usual nucleus."""
     V = probs.shape[1]
-    k = min(1024, V)
-    while True:
-        vals = torch.topk(probs, k, dim=-1).values
+    floor = torch.zeros(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
+    rows, k = (top_p < 1).nonzero().flatten(), min(1024, V)
+    while rows.numel():
+        vals = torch.topk(probs[rows], k, dim=-1).values
         mass = vals.cumsum(-1)  # the same sums as over the whole sorted vocabulary's prefix
-        if k == V or bool(((mass[:, -1] >= top_p) | (top_p >= 1)).all()):
-            break
-        k = min(V, k * 8)
-    # Mass before each token (rising, so the kept tokens are a prefix); a top_p below
-    # float32's range rounds to 0, and 0 >= 0.
-    keep = mass - vals < top_p[:, None]
-    keep[:, 0] = True
-    floor = vals.gather(1, keep.sum(-1, keepdim=True) - 1)
-    return torch.where(top_p[:, None] < 1, floor, 0.0)
+        p = top_p[rows, None]
+        held = (mass[:, -1:] >= p).flatten() | (k == V)
+        # Mass before each token (rising, so the kept tokens are a prefix); a top_p below
+        # float32's range rounds to 0, and 0 >= 0.
+        keep = mass - vals < p
+        keep[:, 0] = True
+        floor[rows[held]] = vals.gather(1, keep.sum(-1, keepdim=True) - 1)[held]
+        rows, k = rows[~held], min(V, k * 8)
+    return floor
