@@ -1,9 +1,11 @@
 /* Picking each row's token from logits over the vocabulary (CPU): the greedy argmax, and a
  * draw from softmax(x / T) restricted to the row's top-k and top-p nucleus.
  *
- * A row is read in chunks of ROW_CHUNK values and nothing of its size is stored: torch's
- * way (a float32 copy, a division, softmax, top-k or a sort, a cumulative sum) writes the
- * whole [rows, vocab] several times, ~50 ms a step at batch 32 for Gemma's 262k vocabulary.
+ * A row is read in chunks of ROW_CHUNK values and little is written: one sum a chunk, and
+ * under top-k/top-p the tokens that may be kept (hundreds on a real row, most of a flat
+ * one). torch's way (a float32 copy, a division, softmax, top-k or a sort, a cumulative
+ * sum) writes the whole [rows, vocab] several times, ~50 ms a step at batch 32 for Gemma's
+ * 262k vocabulary.
  *
  * What top-k and top-p keep is a floor on the logit: every token at or above it. Top-k's
  * floor is the k-th largest value; top-p's is the value of the last token a full sort by
