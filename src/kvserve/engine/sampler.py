@@ -41,14 +41,14 @@ class Sampler:
         u = torch.cat([torch.rand(1, dtype=torch.float64,
                                   generator=self._generator(ids[i], params[i])) for i in rows])
         picked = [params[i] for i in rows]
+        V = logits.shape[-1]
+        top_k = [p.top_k if 0 < p.top_k < V else 0 for p in picked]  # 0: no limit
         k = kernels_for(logits) if logits.is_contiguous() else None
         if k is not None:  # one compiled pass set a row (kvs_sample), no [rows, vocab] temporaries
-            V = logits.shape[-1]
-            picks = k.sample(logits, rows, [p.temperature for p in picked], u,
-                             [p.top_k if 0 < p.top_k < V else 0 for p in picked],
+            picks = k.sample(logits, rows, [p.temperature for p in picked], u, top_k,
                              [p.top_p for p in picked])
         else:
-            picks = self._sample_rows(logits[rows], picked, u)
+            picks = self._sample_rows(logits[rows], picked, u, top_k)
         for i, token in zip(rows, picks):
             out[i] = token
         return out
@@ -63,15 +63,14 @@ class Sampler:
 
     @staticmethod
     def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
-                     u: torch.Tensor) -> list[int]:
+                     u: torch.Tensor, ks: Sequence[int]) -> list[int]:
         """torch's ops, where the compiled pass cannot run (another device, strided logits):
         temperature, top-k, softmax and the top-p floor over every row at once, then each
         row's uniform u against its cumulative distribution (inverse CDF, float64 sums),
         all left on the device until one transfer back (a GPU waited on each row before).
-        Keeps what kvs_sample keeps."""
+        ks: each row's top_k, 0 for none. Keeps what kvs_sample keeps."""
         dev, V = logits.device, logits.shape[1]
         x = logits.float() / torch.tensor([[p.temperature] for p in params], device=dev)
-        ks = [p.top_k if 0 < p.top_k < V else 0 for p in params]
         if any(ks):
             kth = torch.topk(x, max(ks), dim=-1).values
             k = torch.tensor(ks, device=dev)[:, None]
