@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_qmatmul import check_matmul
+from test_qmatmul import check_matmul, random_q5
 
 from kvserve.kernels.q5 import q5_blocks, q5_dequantize
 
@@ -31,6 +31,18 @@ def test_q5_matmul_at_gemma_shapes(kernels):
     """Gemma 3 270M's K (640, five groups; 2048, sixteen) at decode and batch sizes."""
     for M, N, K in [(1, 1024, 640), (3, 640, 2048), (32, 256, 640)]:
         check_matmul(kernels, K, M, N, K // 32, False, "q5")
+
+
+@pytest.mark.parametrize("M", [1, 7, 8, 33])
+def test_q5_matmul_equals_q8_on_the_same_values(kernels, M):
+    """Q5_0 weights give bitwise what Q8_0 blocks of the same values give, on the path
+    that decodes them in the tile (few rows) and the one that expands a chunk first."""
+    g = torch.Generator().manual_seed(M)
+    codes, d = random_q5(g, 150, 640)
+    x = torch.randn(M, 640, generator=g)
+    q5 = kernels.q5_matmul(x, *kernels.q5_pack(codes, d))
+    q8 = kernels.q8_matmul(x, *kernels.q8_pack((codes.int() - 16).to(torch.int8), d.float()))
+    assert torch.equal(q5, q8)
 
 
 def test_q5_blocks_follows_llama_cpp_rule():
