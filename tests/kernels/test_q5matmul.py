@@ -35,8 +35,10 @@ def test_q5_matmul_at_gemma_shapes(kernels):
 
 @pytest.mark.parametrize("M", [1, 7, 8, 33])
 def test_q5_matmul_equals_q8_on_the_same_values(kernels, M):
-    """Q5_0 weights give bitwise what Q8_0 blocks of the same values give, on the path
-    that decodes them in the tile (few rows) and the one that expands a chunk first."""
+    """Q5_0 weights give bitwise what Q8_0 blocks of the same values give (the codes
+    decode to Q8_0's int16 values, the fp16 scales to the same floats), for one row
+    (one column at a time), a tile's remainder and whole tiles: any other way to read
+    Q5_0 (docs/benchmarks.md tried expanding chunks first) has to keep this."""
     g = torch.Generator().manual_seed(M)
     codes, d = random_q5(g, 150, 640)
     x = torch.randn(M, 640, generator=g)
