@@ -20,9 +20,20 @@
 
 #define ROW_CHUNK 1024 /* a row of the vocabulary is read in chunks of this many values */
 
-/* The length of chunk c of a row of V values. */
-static inline int chunk_len(int64_t V, int64_t c) {
-    return V - c * ROW_CHUNK < ROW_CHUNK ? (int)(V - c * ROW_CHUNK) : ROW_CHUNK;
+/* Chunk c of the row of V values at element `base` of x, as float32 into buf; its length. */
+static inline int load_chunk(const void *x, int64_t base, int64_t V, int64_t c, int is_bf16,
+                             float *buf) {
+    const int n = V - c * ROW_CHUNK < ROW_CHUNK ? (int)(V - c * ROW_CHUNK) : ROW_CHUNK;
+    load_row(x, base + c * ROW_CHUNK, buf, n, is_bf16);
+    return n;
+}
+
+/* The largest of n values (-inf for none; NaN is never larger). */
+static inline float max_of(const float *buf, int n) {
+    float top = -INFINITY;
+    #pragma omp simd reduction(max : top)
+    for (int i = 0; i < n; i++) top = buf[i] > top ? buf[i] : top;
+    return top;
 }
 
 /* out[b] = the first index of the largest value of row b (rows of V, contiguous), as
@@ -34,15 +45,12 @@ void kvs_argmax(const void *x, int B, int64_t V, int is_bf16, int64_t *out, int 
         float best = -INFINITY;
         int64_t at = 0;
         float buf[ROW_CHUNK];
-        for (int64_t i0 = 0; i0 < V; i0 += ROW_CHUNK) {
-            const int m = chunk_len(V, i0 / ROW_CHUNK);
-            load_row(x, b * V + i0, buf, m, is_bf16);
-            float top = -INFINITY;
-            #pragma omp simd reduction(max : top)
-            for (int i = 0; i < m; i++) top = buf[i] > top ? buf[i] : top;
+        for (int64_t c = 0; c * ROW_CHUNK < V; c++) {
+            const int m = load_chunk(x, b * V, V, c, is_bf16, buf);
+            const float top = max_of(buf, m);
             if (top > best)
                 for (int i = 0; i < m; i++)
-                    if (buf[i] == top) { best = top; at = i0 + i; break; }
+                    if (buf[i] == top) { best = top; at = c * ROW_CHUNK + i; break; }
         }
         out[b] = at;
     }
@@ -105,8 +113,7 @@ static int64_t gather(const row_t *r, float lo, cand *cs) {
     float buf[ROW_CHUNK];
     for (int64_t c = 0; c < r->nc; c++) {
         if (!(r->cmax[c] >= lo)) continue;
-        const int len = chunk_len(r->V, c);
-        load_row(r->x, r->base + c * ROW_CHUNK, buf, len, r->is_bf16);
+        const int len = load_chunk(r->x, r->base, r->V, c, r->is_bf16, buf);
         for (int i = 0; i < len; i++)
             if (buf[i] >= lo) cs[k++] = (cand){key_of(buf[i]), row_exp(r, buf[i])};
     }
@@ -132,8 +139,7 @@ static float floor_bound(const row_t *r, int top_k, double top_p, cand *cs, doub
     double count[NCUTS] = {0}, mass[NCUTS] = {0};
     float buf[ROW_CHUNK];
     for (int64_t c = 0; c < r->nc; c++) {
-        const int n = chunk_len(r->V, c);
-        load_row(r->x, r->base + c * ROW_CHUNK, buf, n, r->is_bf16);
+        const int n = load_chunk(r->x, r->base, r->V, c, r->is_bf16, buf);
         /* one loop, the cuts written out: float counts (exact to 2^24) vectorise with the
          * sums, where an int count beside them did not */
         float c0 = 0.f, c1 = 0.f, c2 = 0.f, s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
@@ -195,23 +201,18 @@ void kvs_sample(const void *x, const int32_t *rows, int K, int64_t V, int is_bf1
         float buf[ROW_CHUNK], cmax[nc], m = -INFINITY;
         double sums[nc], total = 0.;
         for (int64_t c = 0; c < nc; c++) {
-            const int n = chunk_len(V, c);
-            load_row(x, base + c * ROW_CHUNK, buf, n, is_bf16);
-            float top = -INFINITY;
-            #pragma omp simd reduction(max : top)
-            for (int i = 0; i < n; i++) top = buf[i] > top ? buf[i] : top;
-            cmax[c] = top;
-            m = top > m ? top : m;
+            cmax[c] = max_of(buf, load_chunk(x, base, V, c, is_bf16, buf));
+            m = cmax[c] > m ? cmax[c] : m;
         }
         const row_t r = {x, base, V, nc, is_bf16, m, it, cmax};
         const int limit_k = top_k[k] > 0 && top_k[k] < V ? top_k[k] : 0;
-        const float floor = limit_k || top_p[k] < 1. ? nucleus_floor(&r, limit_k, top_p[k], (cand *)scratch + omp_get_thread_num() * V)
+        cand *cs = (cand *)scratch + omp_get_thread_num() * V;
+        const float floor = limit_k || top_p[k] < 1. ? nucleus_floor(&r, limit_k, top_p[k], cs)
                                                       : -INFINITY;
         for (int64_t c = 0; c < nc; c++) {
             float s = 0.f;
             if (cmax[c] >= floor) {  /* else no kept token in the chunk */
-                const int n = chunk_len(V, c);
-                load_row(x, base + c * ROW_CHUNK, buf, n, is_bf16);
+                const int n = load_chunk(x, base, V, c, is_bf16, buf);
                 #pragma omp simd reduction(+ : s)
                 for (int i = 0; i < n; i++) s += buf[i] >= floor ? row_exp(&r, buf[i]) : 0.f;
             }
@@ -222,8 +223,7 @@ void kvs_sample(const void *x, const int32_t *rows, int K, int64_t V, int is_bf1
         double run = 0.;
         int64_t c = 0;
         while (c < nc - 1 && run + sums[c] <= target) run += sums[c++];
-        const int n = chunk_len(V, c);
-        load_row(x, base + c * ROW_CHUNK, buf, n, is_bf16);
+        const int n = load_chunk(x, base, V, c, is_bf16, buf);
         int64_t pick = -1;
         for (int i = 0; i < n; i++) {
             const float e = buf[i] >= floor ? row_exp(&r, buf[i]) : 0.f;
