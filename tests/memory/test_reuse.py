@@ -577,6 +577,37 @@ def test_another_miss_prefills_in_small_chunks_only_where_one_step_would_evict_h
         check_invariants(mgr)
 
 
+def test_a_miss_that_would_take_held_windows_prefills_in_the_largest_step_that_fits():
+    # Before any prompt has shared a prefix: a miss whose prompt in one step peaks above
+    # the free and evictable pages would take the window a running request holds for
+    # its prompt's end (the first questions on 16 articles at 4/s lost every second
+    # question so). It prefills in the largest steps that fit beside it instead.
+    for spare, capped in ((41, False), (27, True)):
+        mgr = make(120)
+        mgr.MISS_CHUNK = 8
+        _running(mgr, "a", PROMPT)
+        held = list(mgr.reqs["a"].held[1])
+        assert _admit(mgr, "fill", _spare(mgr) - spare) and _spare(mgr) == spare
+        mgr.begin_step()
+        _looked_up(mgr, "b", [300 + i for i in range(64)])  # 16 full + 16 sliding pages
+        assert mgr.reuse.branched == 0
+        assert mgr.max_chunk("b", mgr.SHORT_QUEUE + 1) is None  # a backlog: full steps
+        first = mgr.max_chunk("b", 0)
+        # 16 full pages and (16 + c) / 4 + 1 sliding ones fit in 27 up to c = 24.
+        assert first == (24 if capped else None)
+        done = 0
+        while done < 64:  # as the scheduler runs b: steps of max_chunk
+            n = min(64 - done, mgr.max_chunk("b", 0) or 64)
+            assert mgr.allocate_slots("b", n)
+            mgr.advance("b", n)
+            done += n
+            mgr.begin_step()
+        assert mgr.reqs["a"].held[1] == held
+        mgr.add_request("q", PROMPT[:84] + [7] * 8)
+        assert mgr.lookup("q") == 84
+        check_invariants(mgr)
+
+
 def test_answers_go_first_until_a_conversation_continues():
     mgr = make(200)
     serve(mgr, "a", ARTICLE + [500, 501, 502], out=6)  # 16 prompt blocks, 2 of answer
