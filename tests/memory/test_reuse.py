@@ -704,6 +704,29 @@ def test_a_next_turn_retires_the_previous_prompts_end_windows():
     assert r.hashes[42 - 1] not in mgr.reuse.marks  # a continuation is no divergence
 
 
+@pytest.mark.parametrize("lost", [False, True])
+def test_a_next_turn_keeps_no_window_for_its_prompts_end(lost):
+    # A conversation's next turn is hit again at its sequence end, not in its prompt's
+    # end region: the windows there go DEAD as they leave, whether or not the cache
+    # still held the previous turn (the first turn above kept them, at the step's key).
+    mgr = make(400)
+
+    def evict(k: int) -> None:  # before turn 1: a request takes every page, then leaves
+        if lost and k == 1:
+            assert _admit(mgr, "all", _spare(mgr) // 2 * 2)
+            mgr.abort("all")
+
+    hits = _conversation(mgr, [(120, 48), (40, 48)], between=evict)
+    assert hits[1] == (0 if lost else 168)
+    # Turn 1: a 52-block prompt, a 64-block sequence. Its prompt's end region (points
+    # 47..52) would keep blocks 42..51, before its last window (blocks 59..63).
+    r = RequestKV(None, [], ())
+    seq = [50_000 + i for i in range(120)] + [900 + i for i in range(48)]
+    extend_block_hashes(r.hashes, seq + [50_100 + i for i in range(40)], T)
+    swa = mgr.alloc.specs[1]
+    assert {swa.last[swa.cached[r.hashes[b]]] for b in range(42, 52)} == {DEAD}
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(turns=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 30)), min_size=2,
                       max_size=6),

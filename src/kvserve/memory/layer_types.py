@@ -67,6 +67,7 @@ class RequestKV:
     key: int | None = None
     gap: int = 0  # arrivals since its prefix was last used (0: first seen)
     loop: bool = False  # its prefix comes back at regular gaps: ReusePoints.reuse_key
+    continues: bool = False  # a conversation's next turn (KVCacheManager._mark_reuse)
     arrival: int = 0  # its place in arrival order: the clock of reuse gaps
     # per spec: (page, hash) of cached pages a reuse point needs; stamped at finish
     kept: dict[int, list[tuple[int, Hashable]]] = field(default_factory=dict)
@@ -198,6 +199,18 @@ class ReusePoints:
         answered prompt: r goes on with that request's conversation."""
         return r.hashes[e - 1] in self.ends or self.is_turn(r, e)
 
+    def next_turn(self, r: RequestKV, p: int) -> bool:
+        """Whether r's first p blocks extend a finished request's answered sequence or a
+        whole answered prompt, cached or not: a conversation's next turn, hit again where
+        it ends rather than in its prompt's end region. (A request that stopped inside
+        its prompt, preempted, left no answer: another one sharing its prefix is none.)"""
+        ends, hashes = self.ends, r.hashes
+        for e in range(p - 1, 0, -1):
+            pe = ends.get(hashes[e - 1])
+            if pe is not None and pe < e or self.is_turn(r, e):
+                return True
+        return False
+
     def is_turn(self, r: RequestKV, e: int) -> bool:
         """Whether r's first e blocks and the tokens after them are a whole prompt that
         was answered (r continues that conversation)."""
@@ -228,7 +241,7 @@ class ReusePoints:
         hashes, marks = r.hashes, self.marks
         end = r.prompt_len // self.T
         if margin is None:
-            margin = self.PROMPT_TAIL // self.T
+            margin = -1 if r.continues else self.PROMPT_TAIL // self.T
         hi = min(hi, len(hashes))
         return [e for e in range(max(lo, 1), hi + 1)
                 if end - margin <= e <= end or hashes[e - 1] in marks]

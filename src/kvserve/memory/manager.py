@@ -261,6 +261,7 @@ class KVCacheManager:
             # (the Mamba states it needs stand on the grid below) continues it all the same.
             continues = continues or d < p and self.reuse.continues(r, d)
         self.reuse.continued += continues
+        r.continues = self.reuse.next_turn(r, p)
 
     def cached_prefix(self, tokens: Sequence[int], hashes: list[int],
                       images: Sequence[ImageInput] = ()) -> int:
