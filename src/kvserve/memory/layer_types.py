@@ -205,6 +205,9 @@ class ReusePoints:
         it ends rather than in its prompt's end region. (A request that stopped inside
         its prompt, preempted, left no answer: another one sharing its prefix is none.)"""
         ends, hashes = self.ends, r.hashes
+        head = hashes[:p - 1]
+        if ends.keys().isdisjoint(head) and self.turns.keys().isdisjoint(head):
+            return False  # most prompts: one pass in C, not a loop per block
         for e in range(p - 1, 0, -1):
             pe = ends.get(hashes[e - 1])
             if pe is not None and pe < e or self.is_turn(r, e):
