@@ -727,6 +727,29 @@ def test_a_next_turn_keeps_no_window_for_its_prompts_end(lost):
     assert {swa.last[swa.cached[r.hashes[b]]] for b in range(42, 52)} == {DEAD}
 
 
+def test_a_next_turn_marks_no_point_of_its_conversation():
+    # Turn 0's last window is lost, its prompt's end region is not: turn 1 hits there
+    # (block 30) and the attention pages reach its sequence end (block 42). Both are
+    # points of its own conversation, which goes on from turn 1's end, so neither is a
+    # mark that would make turn 1 keep a window there.
+    mgr = make(400)
+    r = RequestKV(None, [], ())
+    extend_block_hashes(r.hashes, [50_000 + i for i in range(120)] + [900 + i for i in range(48)],
+                        T)
+    swa = mgr.alloc.specs[1]
+
+    def lose_last_window(k: int) -> None:
+        if k == 1:
+            mgr.alloc.demote(1, [swa.cached[r.hashes[b]] for b in range(38, 42)])
+            squeeze(mgr, "squeeze")
+
+    hits = _conversation(mgr, [(120, 48), (8, 2)], between=lose_last_window)
+    assert hits[1] == 30 * T
+    assert r.hashes[30 - 1] not in mgr.reuse.marks
+    assert r.hashes[42 - 1] not in mgr.reuse.marks
+    assert mgr.reuse.branched == 1
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(turns=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 30)), min_size=2,
                       max_size=6),

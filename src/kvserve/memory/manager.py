@@ -242,26 +242,31 @@ class KVCacheManager:
 
     def _mark_reuse(self, r: RequestKV, p: int, q: int) -> None:
         """The hit point, and a longer prefix only the full-attention pages hold, are
-        reuse points: this request keeps what a hit there needs as it prefills past."""
+        reuse points: this request keeps what a hit there needs as it prefills past.
+        Not for a conversation's next turn: both are points of its own history, and the
+        conversation goes on from where this turn ends (chat, Gemma 3 12B, 6.5 GB,
+        100 sessions at 1/s: 40.4% -> 41.9%)."""
         continues = False
+        r.continues = self.reuse.next_turn(r, p)
         if q:
             pe = self.reuse.ends.get(r.hashes[q - 1])
             if pe is None:
                 self.reuse.branched += 1
-                self.reuse.mark(r.hashes[q - 1])
+                if not r.continues:
+                    self.reuse.mark(r.hashes[q - 1])
             else:  # r continues a finished request's sequence
                 for m in self.managers:
                     m.retire(r, q, pe)
             # not a preempted request coming back whole
             continues = q < p and self.reuse.continues(r, q)
         d = min((m.longest_hit(r, p) for m in self._full), default=0)
-        if d > q:
+        if d > q and not r.continues:
             self.reuse.mark(r.hashes[d - 1])
+        if d > q:
             # A next turn whose previous sequence only the attention pages serve whole
             # (the Mamba states it needs stand on the grid below) continues it all the same.
             continues = continues or d < p and self.reuse.continues(r, d)
         self.reuse.continued += continues
-        r.continues = self.reuse.next_turn(r, p)
 
     def cached_prefix(self, tokens: Sequence[int], hashes: list[int],
                       images: Sequence[ImageInput] = ()) -> int:
