@@ -243,7 +243,7 @@ class ReusePoints:
         (default PROMPT_TAIL tokens) before the prompt's end count as its end region."""
         hashes, marks = r.hashes, self.marks
         end = r.prompt_len // self.T
-        if margin is None:
+        if margin is None:  # a next turn is hit again where it ends: no end region (-1)
             margin = -1 if r.continues else self.PROMPT_TAIL // self.T
         hi = min(hi, len(hashes))
         return [e for e in range(max(lo, 1), hi + 1)

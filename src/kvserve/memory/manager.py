@@ -260,9 +260,9 @@ class KVCacheManager:
             # not a preempted request coming back whole
             continues = q < p and self.reuse.continues(r, q)
         d = min((m.longest_hit(r, p) for m in self._full), default=0)
-        if d > q and not r.continues:
-            self.reuse.mark(r.hashes[d - 1])
         if d > q:
+            if not r.continues:
+                self.reuse.mark(r.hashes[d - 1])
             # A next turn whose previous sequence only the attention pages serve whole
             # (the Mamba states it needs stand on the grid below) continues it all the same.
             continues = continues or d < p and self.reuse.continues(r, d)
