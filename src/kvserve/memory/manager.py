@@ -635,13 +635,15 @@ class KVCacheManager:
         """
         reqs = [r, *(o for o in self.reqs.values()
                      if o is not r and o.num_hit < o.num_alloc < o.prompt_len)]
-        if self._fits(reqs, rest, -DEAD) or not self._fits(reqs, self.MISS_CHUNK, -DEAD):
+        supply = self.alloc.supply_below(-DEAD)  # one scan of the large pages for all probes
+        if (self._within(reqs, rest, supply)
+                or not self._within(reqs, self.MISS_CHUNK, supply)):
             return None
         T = self.T
         lo, hi = self.MISS_CHUNK // T, -(-rest // T)  # blocks a step: lo fits, hi does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self._fits(reqs, mid * T, -DEAD) else (lo, mid)
+            lo, hi = (mid, hi) if self._within(reqs, mid * T, supply) else (lo, mid)
         return lo * T
 
     def _miss_fits(self, r: RequestKV, chunk: int) -> bool:
@@ -653,12 +655,15 @@ class KVCacheManager:
         """Whether the rest of these requests' prompts (past the slots they hold), in steps
         of `chunk` tokens, peak within free pages and cached ones whose key is below
         `below` (0: dead and loop pages, which the loop rule gives up; DEAD + 1: dead)."""
-        need = [0] * len(self.alloc.free_large)
+        return self._within(reqs, chunk, self.alloc.supply_below(below))
+
+    def _within(self, reqs: list[RequestKV], chunk: int, supply: list[int]) -> bool:
+        """_fits against a supply of large pages per partition (supply_below's)."""
+        need = [0] * len(supply)
         for r in reqs:
             for m in self.managers:
                 pages = m.peak_pages(len(r.tokens) - r.num_alloc, chunk, r.images)
                 need[self.alloc.part[m.s]] += -(-pages // self.layout.pages_per_large[m.s])
-        supply = self.alloc.supply_below(below)
         return all(n <= have for n, have in zip(need, supply))
 
     def _allocate_dropping_held(
