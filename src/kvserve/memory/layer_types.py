@@ -67,7 +67,7 @@ class RequestKV:
     key: int | None = None
     gap: int = 0  # arrivals since its prefix was last used (0: first seen)
     loop: bool = False  # its prefix comes back at regular gaps: ReusePoints.reuse_key
-    continues: bool = False  # a conversation's next turn (KVCacheManager._mark_reuse)
+    next_turn: bool = False  # a conversation's next turn: ReusePoints.next_turn
     arrival: int = 0  # its place in arrival order: the clock of reuse gaps
     # per spec: (page, hash) of cached pages a reuse point needs; stamped at finish
     kept: dict[int, list[tuple[int, Hashable]]] = field(default_factory=dict)
@@ -244,7 +244,7 @@ class ReusePoints:
         hashes, marks = r.hashes, self.marks
         end = r.prompt_len // self.T
         if margin is None:  # a next turn is hit again where it ends: no end region (-1)
-            margin = -1 if r.continues else self.PROMPT_TAIL // self.T
+            margin = -1 if r.next_turn else self.PROMPT_TAIL // self.T
         hi = min(hi, len(hashes))
         return [e for e in range(max(lo, 1), hi + 1)
                 if end - margin <= e <= end or hashes[e - 1] in marks]

@@ -247,12 +247,12 @@ class KVCacheManager:
         conversation goes on from where this turn ends (chat, Gemma 3 12B, 6.5 GB,
         100 sessions at 1/s: 40.4% -> 41.9%)."""
         continues = False
-        r.continues = self.reuse.next_turn(r, p)
+        r.next_turn = self.reuse.next_turn(r, p)
         if q:
             pe = self.reuse.ends.get(r.hashes[q - 1])
             if pe is None:
                 self.reuse.branched += 1
-                if not r.continues:
+                if not r.next_turn:
                     self.reuse.mark(r.hashes[q - 1])
             else:  # r continues a finished request's sequence
                 for m in self.managers:
@@ -261,7 +261,7 @@ class KVCacheManager:
             continues = q < p and self.reuse.continues(r, q)
         d = min((m.longest_hit(r, p) for m in self._full), default=0)
         if d > q:
-            if not r.continues:
+            if not r.next_turn:
                 self.reuse.mark(r.hashes[d - 1])
             # A next turn whose previous sequence only the attention pages serve whole
             # (the Mamba states it needs stand on the grid below) continues it all the same.
