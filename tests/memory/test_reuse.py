@@ -618,7 +618,7 @@ def test_answers_go_first_until_a_conversation_continues():
     assert mgr.reuse.continued == 0
     # A next turn sends the answer back: its hit continues "a", and from then on
     # answers are cached like the rest.
-    turn = ARTICLE + [500, 501, 502] + [900 + i for i in range(6)] + list(range(600, 608))
+    turn = ARTICLE + [500, 501, 502] + _answer(6) + list(range(600, 608))
     assert serve(mgr, "b", turn) == 72
     assert mgr.reuse.continued == 1
     assert {full.last[p] for p, h in enumerate(full.hash) if h and full.plen[p] > 76} \
@@ -637,13 +637,13 @@ def test_a_state_checkpoint_past_the_prompt_goes_first_until_a_conversation_cont
 
     serve(mgr, "a", ARTICLE + [500, 501, 502], out=6)  # ends at block 18, prompt at 16
     assert keys()[18] == DEAD and keys()[16] == mgr.now
-    turn = ARTICLE + [500, 501, 502] + [900 + i for i in range(6)] + list(range(600, 608))
+    turn = ARTICLE + [500, 501, 502] + _answer(6) + list(range(600, 608))
     assert serve(mgr, "b", turn) == 72  # continues "a": from now on answers count
     assert mgr.reuse.continued == 1
     c = list(range(2000, 2067))
     serve(mgr, "c", c, out=6)
     hashes: list[int] = []
-    extend_block_hashes(hashes, c + [900 + i for i in range(6)], T)
+    extend_block_hashes(hashes, c + _answer(6), T)
     assert sp.last[sp.cached[hashes[17]]] == mgr.now  # "c"'s sequence end: kept by recency
     check_invariants(mgr)
 
@@ -662,13 +662,30 @@ def test_a_next_turn_hits_the_state_at_the_previous_sequences_last_block():
     a = ARTICLE + [500, 501, 502]  # 67 tokens; 10 answered, 76 computed
     serve(mgr, "a", a, out=10)
     assert 76 not in keys()  # no conversation seen yet: no tail
-    b = a + [900 + i for i in range(10)] + [7000 + i for i in range(9)]  # 86 tokens
+    b = a + _answer(10) + [7000 + i for i in range(9)]  # 86 tokens
     assert serve(mgr, "b", b, out=2) == 64  # the grid; its attention reaches a's end, 76
     assert mgr.reuse.continued == 1
     assert keys()[88] == mgr.now  # b's tail (its grid checkpoint is at 80)
     c = b + [900, 901] + [8000 + i for i in range(5)]
     assert serve(mgr, "c", c) == 88
     assert not any(sp.ref)  # every tail went with its request
+
+
+def _message(k: int, msg: int) -> list[int]:
+    """Turn k's new message of `msg` tokens in `_conversation`."""
+    return [50_000 + 100 * k + i for i in range(msg)]
+
+
+def _answer(out: int) -> list[int]:
+    """`serve`'s answer of `out` tokens."""
+    return [900 + i for i in range(out)]
+
+
+def _hashes(tokens: list[int]) -> list[int]:
+    """Block hashes of `tokens`."""
+    hashes: list[int] = []
+    extend_block_hashes(hashes, tokens, T)
+    return hashes
 
 
 def _conversation(mgr: KVCacheManager, turns: list[tuple[int, int]], start: int = 0,
@@ -679,12 +696,12 @@ def _conversation(mgr: KVCacheManager, turns: list[tuple[int, int]], start: int 
     seq: list[int] = []
     hits = []
     for k, (msg, out) in enumerate(turns):
-        seq = seq + [50_000 + 100 * k + i for i in range(msg)]
+        seq = seq + _message(k, msg)
         if between is not None:
             between(k)
         if k >= start:
             hits.append(serve(mgr, ("turn", k), list(seq), out))
-        seq = seq + [900 + i for i in range(out)]  # serve's answer tokens
+        seq = seq + _answer(out)
     return hits
 
 
@@ -692,16 +709,14 @@ def test_a_next_turn_retires_the_previous_prompts_end_windows():
     mgr = make(400)
     # Turn 0: a 30-block prompt and 12 blocks of answer; its prompt's end region (points
     # 25..30) kept blocks 21..29, before the window its sequence end needs (blocks 38..41).
-    r = RequestKV(None, [], ())
-    extend_block_hashes(r.hashes, [50_000 + i for i in range(120)] + [900 + i for i in range(48)],
-                        T)
+    hashes = _hashes(_message(0, 120) + _answer(48))
     swa = mgr.alloc.specs[1]
     hits = _conversation(mgr, [(120, 48)])
-    assert {swa.last[swa.cached[r.hashes[b]]] for b in range(21, 30)} == {mgr.now}
+    assert {swa.last[swa.cached[hashes[b]]] for b in range(21, 30)} == {mgr.now}
     hits += _conversation(mgr, [(120, 48), (8, 2)], start=1)
     assert hits[1] == 168  # the whole first sequence
-    assert {swa.last[swa.cached[r.hashes[b]]] for b in range(21, 30)} == {DEAD}
-    assert r.hashes[42 - 1] not in mgr.reuse.marks  # a continuation is no divergence
+    assert {swa.last[swa.cached[hashes[b]]] for b in range(21, 30)} == {DEAD}
+    assert hashes[42 - 1] not in mgr.reuse.marks  # a continuation is no divergence
 
 
 @pytest.mark.parametrize("lost", [False, True])
@@ -720,11 +735,9 @@ def test_a_next_turn_keeps_no_window_for_its_prompts_end(lost):
     assert hits[1] == (0 if lost else 168)
     # Turn 1: a 52-block prompt, a 64-block sequence. Its prompt's end region (points
     # 47..52) would keep blocks 42..51, before its last window (blocks 59..63).
-    r = RequestKV(None, [], ())
-    seq = [50_000 + i for i in range(120)] + [900 + i for i in range(48)]
-    extend_block_hashes(r.hashes, seq + [50_100 + i for i in range(40)], T)
+    hashes = _hashes(_message(0, 120) + _answer(48) + _message(1, 40))
     swa = mgr.alloc.specs[1]
-    assert {swa.last[swa.cached[r.hashes[b]]] for b in range(42, 52)} == {DEAD}
+    assert {swa.last[swa.cached[hashes[b]]] for b in range(42, 52)} == {DEAD}
 
 
 def test_a_next_turn_marks_no_point_of_its_conversation():
@@ -733,20 +746,18 @@ def test_a_next_turn_marks_no_point_of_its_conversation():
     # points of its own conversation, which goes on from turn 1's end, so neither is a
     # mark that would make turn 1 keep a window there.
     mgr = make(400)
-    r = RequestKV(None, [], ())
-    extend_block_hashes(r.hashes, [50_000 + i for i in range(120)] + [900 + i for i in range(48)],
-                        T)
+    hashes = _hashes(_message(0, 120) + _answer(48))
     swa = mgr.alloc.specs[1]
 
     def lose_last_window(k: int) -> None:
         if k == 1:
-            mgr.alloc.demote(1, [swa.cached[r.hashes[b]] for b in range(38, 42)])
+            mgr.alloc.demote(1, [swa.cached[hashes[b]] for b in range(38, 42)])
             squeeze(mgr, "squeeze")
 
     hits = _conversation(mgr, [(120, 48), (8, 2)], between=lose_last_window)
     assert hits[1] == 30 * T
-    assert r.hashes[30 - 1] not in mgr.reuse.marks
-    assert r.hashes[42 - 1] not in mgr.reuse.marks
+    assert hashes[30 - 1] not in mgr.reuse.marks
+    assert hashes[42 - 1] not in mgr.reuse.marks
     assert mgr.reuse.branched == 1
 
 
@@ -764,7 +775,7 @@ def test_conversations_keep_every_hit_that_room_allows(turns, other, split):
     # A branch inside turn 0's prompt, before its sequence end. (A branch at a sequence
     # end is taken for the conversation's next turn: the window there is DEAD once that
     # request leaves it, and a second continuation from there pays a miss.)
-    prompt0 = [50_000 + i for i in range(max(0, turns[0][0] - T))]
+    prompt0 = _message(0, max(0, turns[0][0] - T))
     marked = []
 
     def diverge(k: int) -> None:  # shares turn 0's prompt but its last block, then differs
@@ -777,11 +788,9 @@ def test_conversations_keep_every_hit_that_room_allows(turns, other, split):
     for k, (msg, out) in enumerate(turns):
         if k:
             assert hits[k] == len(seq) // T * T, (k, hits)
-        seq = seq + [50_000 + 100 * k + i for i in range(msg)] + [900 + i for i in range(out)]
+        seq = seq + _message(k, msg) + _answer(out)
     q = marked[0] // T if marked else 0
-    r = RequestKV(None, [], ())
-    extend_block_hashes(r.hashes, prompt0, T)
-    if q and r.hashes[q - 1] in mgr.reuse.marks:
+    if q and _hashes(prompt0)[q - 1] in mgr.reuse.marks:
         squeeze(mgr, "last squeeze")
         mgr.begin_step()
         mgr.add_request("again", prompt0 + [8] * other)
