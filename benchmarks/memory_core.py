@@ -118,19 +118,19 @@ def bench_prefix_hit(num_pages: int, prompt_pages: int) -> float:
     return elapsed / pages * 1e6
 
 
-def bench_evict_alloc(num_pages: int, prompt_pages: int) -> float:
+def bench_evict_alloc(mgr: KVCacheManager, prompt_pages: int) -> float:
     """µs per page to take new prompts into a pool full of cache: hash the prompt, find
     no hit, evict cached pages to allocate, publish the new pages' hashes."""
-    mgr = _full_only(num_pages)
     rng = random.Random(0)
     n = prompt_pages * T
 
     def prompts(count: int) -> list[list[int]]:
         return [[rng.randrange(50000) for _ in range(n)] for _ in range(count)]
 
-    for i, p in enumerate(prompts(num_pages // prompt_pages)):
-        _serve(mgr, ("fill", i), p)  # every page now holds evictable cache
-    assert mgr.stats().free == 0
+    i = 0
+    while mgr.stats().free:  # until every page holds evictable cache
+        _serve(mgr, ("fill", i), prompts(1)[0])
+        i += 1
     elapsed, pages = 0.0, 0
     for i, p in enumerate(prompts(300)):
         rid = ("new", i)
@@ -165,7 +165,8 @@ def per_page_costs(n: int) -> dict[str, dict[str, float]]:
             "alloc_free_64": _best(lambda p=pool: bench_alloc_free(p(n), 64, 1_000)),
         }
     out["single_type"]["prefix_hit"] = _best(lambda: bench_prefix_hit(n, 128))
-    out["single_type"]["evict_alloc_hashed"] = _best(lambda: bench_evict_alloc(n, 64))
+    for name, pool in (("single_type", _full_only), ("gemma3_mix", _gemma_pool)):
+        out[name]["evict_alloc_hashed"] = _best(lambda p=pool: bench_evict_alloc(p(n), 64))
     return out
 
 

@@ -47,12 +47,13 @@ def serve(mgr: KVCacheManager, rid, tokens: list[int], out: int = 2) -> int:
     return hit
 
 
-def squeeze(mgr: KVCacheManager, rid) -> None:
-    """A running request takes every free page and every DEAD one, then leaves."""
+def squeeze(mgr: KVCacheManager, rid, more: int = 0) -> None:
+    """A running request takes every free page and every DEAD one (and `more` pages,
+    evicted lowest key first), then leaves."""
     sp = [mgr.alloc.specs[s] for s in range(2)]
     dead = sum(1 for s in sp for p, h in enumerate(s.hash)
                if h is not None and s.ref[p] == 0 and s.last[p] == DEAD)
-    pages = mgr.alloc.num_free_large() + dead
+    pages = mgr.alloc.num_free_large() + dead + more
     tokens = [10_000 + i for i in range(pages // 2 * T)]  # one full + one sliding page a block
     mgr.begin_step()
     mgr.add_request(rid, tokens)
@@ -240,7 +241,8 @@ def test_eviction_takes_the_lowest_keys_first(pages, ops):
         if not mgr.allocate_slots(i, len(tokens) - hit):
             mgr.abort(i)
             continue
-        after = _evictable(mgr)
+        # keys as they were: the allocation may then demote what it left of a cut prefix
+        after = {key: before[key] for key in _evictable(mgr)}
         gone = [k for key, k in before.items() if key not in after]
         if gone and after:
             assert max(gone) <= min(after.values())
@@ -249,6 +251,7 @@ def test_eviction_takes_the_lowest_keys_first(pages, ops):
                 went = [plen[key] for key, k in before.items() if key not in after and k == edge]
                 stay = [plen[key] for key, k in after.items() if k == edge]
                 assert not stay or min(went) >= max(stay)
+        _no_cut_remainder(mgr, set(gone))
         mgr.advance(i, len(tokens) - hit)
         for _ in range(out):
             mgr.begin_step()
@@ -259,6 +262,18 @@ def test_eviction_takes_the_lowest_keys_first(pages, ops):
         mgr.begin_step()
         mgr.finish(i)
         check_invariants(mgr)
+
+
+def _no_cut_remainder(mgr: KVCacheManager, keys: set) -> None:
+    """Every finished sequence whose key lost pages in an allocation keeps that key
+    only on pages within the longest prefix every spec still serves (CutPrefixes)."""
+    for key, seqs in mgr.cuts.by_key.items():
+        for hashes in seqs if key in keys else ():
+            r = RequestKV(None, (), (), hashes=hashes)
+            v = mgr._longest_common_hit(r, len(hashes))
+            for sp in mgr.alloc.specs:
+                past = [sp.cached[h] for h in hashes[v:] if h in sp.cached]
+                assert all(sp.ref[p] or sp.last[p] != key for p in past)
 
 
 def _plens(mgr: KVCacheManager) -> dict:
@@ -796,3 +811,35 @@ def test_conversations_keep_every_hit_that_room_allows(turns, other, split):
         mgr.add_request("again", prompt0 + [8] * other)
         assert mgr.lookup("again") >= q * T
         mgr.abort("again")
+
+
+def _cut_loop(demote: bool) -> tuple[set, int]:
+    """Two documents served as loop members (MRU keys), the first cut at its tail
+    before the second comes; the keys of what is left of the first, and the second's
+    hit after a request took every free and DEAD page and as many more as the first
+    has left."""
+    mgr = make(60)
+    mgr.reuse.PROMPT_TAIL = 0  # one reuse point: the prompt's end
+    mgr.reuse.reuse_key = lambda r, p, q, now: LOOP - now  # every request a loop member
+    if not demote:
+        mgr.cuts = None
+    docs = [[1000 * d + i for i in range(64)] + [5] for d in (1, 2)]  # 16 blocks and 1
+    serve(mgr, "a", docs[0], out=0)
+    squeeze(mgr, "cut", more=2)  # and one more block of each spec: the doc's last
+    left = [(sp, p, h) for sp in mgr.alloc.specs for p, h in enumerate(sp.hash) if h]
+    keys = {sp.last[p] for sp, p, _ in left}
+    serve(mgr, "b", docs[1], out=0)
+    squeeze(mgr, "fill", more=sum(sp.hash[p] == h and sp.last[p] != DEAD
+                                  for sp, p, h in left))
+    mgr.add_request("again", docs[1])
+    return keys, mgr.lookup("again")
+
+
+def test_what_eviction_leaves_of_a_cut_prefix_goes_first():
+    # The first document's hit needs its last block in both specs: once that is gone
+    # nothing of it can serve a lookup, yet its MRU key is above the second's.
+    left, hit = _cut_loop(demote=True)
+    assert left == {DEAD}
+    assert hit == 64
+    left, hit = _cut_loop(demote=False)
+    assert DEAD not in left and hit < 64

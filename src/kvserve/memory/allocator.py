@@ -137,7 +137,7 @@ class TwoLevelAllocator:
 
     __slots__ = ("layout", "num_large", "specs", "owner", "assoc", "used", "emask", "ltime",
                  "lplen", "lstamp", "part", "free_large", "lru_large", "_pushes", "group",
-                 "grouped", "on_evict", "lgroup", "restoring")
+                 "grouped", "on_evict", "evicted_keys", "lgroup", "restoring")
 
     def __init__(self, layout: Layout, num_large: int, partitioned: bool = False) -> None:
         if num_large <= 0:
@@ -176,6 +176,9 @@ class TwoLevelAllocator:
         # Called as on_evict(s, pids) just before cached pages lose their KV (their
         # hash, last and plen still readable): a lower tier may keep a copy.
         self.on_evict: Callable[[int, list[int]], None] | None = None
+        # If set, the eviction keys of the pages evicted are added to it (those of a
+        # large page's empty slots too: a superset, cheaper than a call per page).
+        self.evicted_keys: set[int] | None = None
 
     # ---------------------------------------------------------------- queries
 
@@ -422,6 +425,8 @@ class TwoLevelAllocator:
         sp = self.specs[s]
         base = lp * sp.k
         hashes, cached, stamp = sp.hash, sp.cached, sp.stamp
+        if self.evicted_keys is not None:
+            self.evicted_keys.update(sp.last[base:base + sp.k])
         if self.on_evict is not None:
             self.on_evict(s, [p for p in range(base, base + sp.k) if hashes[p] is not None])
         for pid in range(base, base + sp.k):
@@ -487,6 +492,8 @@ class TwoLevelAllocator:
             if self.used[lp] == 0:
                 skipped.append(entry)
                 continue
+            if self.evicted_keys is not None:
+                self.evicted_keys.add(sp.last[pid])
             if self.on_evict is not None:
                 self.on_evict(s, [pid])
             self._uncache(sp, pid)

@@ -22,6 +22,7 @@ from itertools import islice
 
 from kvserve.memory.allocator import DEAD, OutOfPages, RequestId, TwoLevelAllocator
 from kvserve.memory.baselines import POLICIES, policy_layout
+from kvserve.memory.cut_prefixes import CutPrefixes
 from kvserve.memory.host_tier import Copier, HostStats, HostTier
 from kvserve.memory.layer_types import (
     NO_PAGE,
@@ -134,7 +135,6 @@ class KVCacheManager:
                 raise ValueError(f"host tier of {host_bytes} B holds no large page of "
                                  f"{self.layout.large_page_bytes} B per partition")
             self.host = HostTier(self.layout, num_host, partitioned)
-            self.alloc.on_evict = self._write_back
             self.write_behind = num_host * self.layout.large_page_bytes >= 2 * self.pool_bytes
         self.worth_loading = worth_loading
         self.managers: list[SpecManager] = [
@@ -156,6 +156,14 @@ class KVCacheManager:
         # cached sequence ends, which is where a Mamba tail state can serve (it is
         # found at p itself, not on the grid below).
         self._lookup_order = sorted(self.managers, key=lambda m: m not in self._full_specs)
+        # Only where another layer type can cut a prefix the full-attention pages hold.
+        self.cuts: CutPrefixes | None = None
+        if enable_caching and self._full:
+            most = max(self.layout.pages_per_large) * num_large
+            self.cuts = CutPrefixes(2 * most)
+            self.alloc.evicted_keys = self.cuts.touched
+        if self.host is not None:
+            self.alloc.on_evict = self._write_back
         # The model's own rules, used only to account what the tokens need.
         self._ideal_rules = [make_spec_manager(-1, spec, None, self.T) for spec in specs]
         self._members = {
@@ -177,6 +185,7 @@ class KVCacheManager:
         return self.alloc.num_large
 
     def begin_step(self) -> int:
+        self._demote_cut()
         self.now += 1
         return self.now
 
@@ -295,6 +304,27 @@ class KVCacheManager:
 
     # ------------------------------------------------------------- host tier
 
+    def _demote_cut(self) -> None:
+        """Demote what eviction left of cut prefixes (CutPrefixes): the pages of each
+        sequence past the longest prefix every spec still serves that still carry the
+        key the sequence's request gave them."""
+        cuts = self.cuts
+        if cuts is None or not cuts.touched:
+            return
+        tiers = self.host is not None
+        for key, seqs in cuts.take():
+            for hashes in list(seqs):
+                r = RequestKV(None, (), (), hashes=hashes)
+                v = self._longest_common_hit(r, len(hashes), tiers)
+                for s, sp in enumerate(self.alloc.specs):
+                    last = sp.last
+                    pids = [p for p in map(sp.cached.get, hashes[v:])
+                            if p is not None and last[p] == key]
+                    if pids:
+                        self.alloc.demote(s, pids)
+                if not v:
+                    cuts.drop(key, hashes)
+
     def _write_back(self, s: int, pids: list[int]) -> None:
         """The allocator evicts cached pages of spec s: the host tier keeps them."""
         if not self.managers[s].swappable:
@@ -412,6 +442,7 @@ class KVCacheManager:
             pages = self._allocate_dropping_held(r, needs)
             if pages is None:
                 return False
+        self._demote_cut()
         for m, pids in zip(self.managers, pages):
             m.install(r, pids, upto)
         if r.num_alloc == r.num_hit:
@@ -456,15 +487,16 @@ class KVCacheManager:
         # oldest: a loop miss retried while another one prefilled lost its hit to that
         # one, a little more at each retry.
         taken_back = r.num_alloc == r.num_hit
+        key = self._key(r)
         # One release: equal keys evict the longest prefix first across specs, so a
         # prefix shrinks from its tail in every layer type at once (aligned rule).
         self.alloc.begin_release()
         try:
             for m in self.managers:
                 if taken_back:
-                    m.take_back(r, self._key(r))
+                    m.take_back(r, key)
                 else:
-                    m.free_all(r, self._key(r))
+                    m.free_all(r, key)
         finally:
             self.alloc.end_release()
         if not taken_back:
@@ -473,6 +505,8 @@ class KVCacheManager:
             # An admission taken back after allocating computed nothing: no use to remember.
             if self.enable_caching and r.num_computed > r.num_hit:
                 self.reuse.remember(r)
+                if self.cuts is not None:
+                    self.cuts.add(key, r.hashes[:r.num_computed // self.T])
         self.alloc.forget_request(req_id)
 
     abort = finish  # an abort keeps what was computed: it is valid KV
