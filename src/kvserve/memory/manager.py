@@ -302,8 +302,6 @@ class KVCacheManager:
                 return q
             p = q
 
-    # ------------------------------------------------------------- host tier
-
     def _demote_cut(self) -> None:
         """Demote what eviction left of cut prefixes (CutPrefixes): the pages of each
         sequence past the longest prefix every spec still serves that still carry the
@@ -324,6 +322,8 @@ class KVCacheManager:
                         self.alloc.demote(s, pids)
                 if not v:
                     cuts.drop(key, hashes)
+
+    # ------------------------------------------------------------- host tier
 
     def _write_back(self, s: int, pids: list[int]) -> None:
         """The allocator evicts cached pages of spec s: the host tier keeps them."""
