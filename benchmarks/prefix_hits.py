@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 from kvserve.sim.bounds import belady, hit_bytes, infinite_pool, peak_bytes
 from kvserve.sim.gpus import get_gpu
@@ -34,11 +35,12 @@ from kvserve.sim.traces import TraceRequest, load_trace
 POLICIES = ("uniform", "jenga")
 
 
-def simulate(trace: list[TraceRequest], policy: str,
-             args: argparse.Namespace) -> tuple[Simulator, SimResult, float]:
+def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace,
+             on_step: Callable | None = None) -> tuple[Simulator, SimResult, float]:
     """Replay trace under one policy with the options `add_sim_arguments` defines;
     the hit rate counts each request's first admission (not re-admissions after
-    preemption) over every prompt token of the trace."""
+    preemption) over every prompt token of the trace. `on_step(kv, sched, batch)`:
+    `Simulator.on_step`."""
     model = get_model(args.model)
     cfg = SimConfig(model, get_gpu(args.gpu), policy=policy,
                     fp8_weights=args.gpu in model.fp8_gpus,  # the paper's Table 1
@@ -46,6 +48,7 @@ def simulate(trace: list[TraceRequest], policy: str,
                     gpu_utilization=args.gpu_utilization, mem_every=1 << 30,
                     max_num_batched_tokens=args.max_num_batched_tokens)
     sim = Simulator(cfg)
+    sim.on_step = on_step
     res = sim.run(trace)
     hit = sum(r.cached_tokens for r in res.requests) / sum(r.prompt_len for r in trace)
     return sim, res, hit

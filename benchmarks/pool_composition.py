@@ -1,0 +1,100 @@
+"""Where jenga's pool goes over a run: what can still hit, and what cannot.
+
+    python benchmarks/pool_composition.py arxiv-qa:articles=64,rate=1,order=round_robin
+    python benchmarks/pool_composition.py sharegpt-chat:sessions=200,rate=2 \
+        --max-model-len 16384 --gpu-utilization 0.4
+
+Every `--every` steps it sorts the pool's bytes (GB, averaged over the samples):
+
+- used: pages running requests use (their held windows count as cache);
+- free: large pages no spec owns;
+- dead: cached pages with the key DEAD, evicted before any other;
+- hits: cached pages that the longest hit of some finished request's sequence
+  needs, in any spec;
+- other: the rest of the cached pages, which serve no such hit.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+from prefix_hits import add_sim_arguments, simulate
+
+from kvserve.memory import KVCacheManager
+from kvserve.memory.allocator import DEAD
+from kvserve.memory.layer_types import RequestKV
+from kvserve.sim.traces import load_trace
+
+
+class Finished:
+    """Every finished request's computed block hashes (the manager's own registry,
+    `CutPrefixes`, keeps only the latest ones): wraps `KVCacheManager.finish`."""
+
+    def __init__(self) -> None:
+        self.seqs: list[list] = []
+        inner = KVCacheManager.finish
+
+        def finish(kv: KVCacheManager, req_id: object) -> None:
+            r = kv.reqs.get(req_id)
+            inner(kv, req_id)
+            if r is not None and r.num_computed > r.num_hit:
+                self.seqs.append(r.hashes[:r.num_computed // kv.T])
+
+        KVCacheManager.finish = finish
+
+    def hit_pages(self, kv: KVCacheManager) -> list[set]:
+        """Per spec, the block keys the finished sequences' longest hits need; those
+        that hit nowhere any more are forgotten."""
+        out: list[set] = [set() for _ in kv.alloc.specs]
+        alive = []
+        for hashes in self.seqs:
+            r = RequestKV(None, (), (), hashes=hashes)
+            v = kv._longest_common_hit(r, len(hashes))
+            if v:
+                alive.append(hashes)
+                for m in kv.managers:
+                    out[m.s].update(m.hit_keys(r, v))
+        self.seqs = alive
+        return out
+
+
+def sample(kv: KVCacheManager, finished: Finished, acc: Counter) -> None:
+    needed = finished.hit_pages(kv)
+    for s, sp in enumerate(kv.alloc.specs):
+        size = kv.layout.page_bytes[s]
+        for h, p in sp.cached.items():
+            if not sp.ref[p]:
+                kind = "dead" if sp.last[p] == DEAD else "hits" if h in needed[s] else "other"
+                acc[kind] += size
+    st = kv.stats()
+    acc["used"] += st.used
+    acc["free"] += st.free
+    acc["samples"] += 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--every", type=int, default=200, help="steps between samples")
+    add_sim_arguments(ap)
+    args = ap.parse_args()
+    acc: Counter = Counter()
+    finished = Finished()
+    steps = [0]
+
+    def on_step(kv: KVCacheManager, sched: object, batch: object) -> None:
+        steps[0] += 1
+        if steps[0] % args.every == 0:
+            sample(kv, finished, acc)
+
+    sim, _, hit = simulate(load_trace(args.trace), "jenga", args, on_step)
+    n = max(1, acc.pop("samples"))
+    kinds = ("used", "free", "dead", "hits", "other")
+    parts = " ".join(f"{k} {acc[k] / n / 1e9:.2f}" for k in kinds)
+    print(f"hit {hit:.1%}, pool {sim.kv.pool_bytes / 1e9:.1f} GB: {parts}")
+
+
+if __name__ == "__main__":
+    main()
