@@ -9,8 +9,8 @@ Every `--every` steps it sorts the pool's bytes (GB, averaged over the samples):
 - used: pages running requests use (their held windows count as cache);
 - free: large pages no spec owns;
 - dead: cached pages with the key DEAD, evicted before any other;
-- hits: cached pages that the longest hit of some finished request's sequence
-  needs, in any spec;
+- hits: cached pages that a hit at some point of a finished request's
+  sequence needs, in any spec;
 - other: the rest of the cached pages, which serve no such hit.
 """
 
@@ -44,17 +44,21 @@ class Finished:
         KVCacheManager.finish = finish
 
     def hit_pages(self, kv: KVCacheManager) -> list[set]:
-        """Per spec, the block keys the finished sequences' longest hits need; those
-        that hit nowhere any more are forgotten."""
+        """Per spec, the block keys that a hit at some point of a finished sequence
+        needs (every point where all specs serve a hit, not only the longest: a
+        question's sequence ends past its document, whose end is where the next
+        question hits); sequences that hit nowhere any more are forgotten."""
         out: list[set] = [set() for _ in kv.alloc.specs]
         alive = []
         for hashes in self.seqs:
             r = RequestKV(None, (), (), hashes=hashes)
-            v = kv._longest_common_hit(r, len(hashes))
-            if v:
-                alive.append(hashes)
+            p = len(hashes)
+            while p and (v := kv._longest_common_hit(r, p)):
                 for m in kv.managers:
                     out[m.s].update(m.hit_keys(r, v))
+                p = v - 1
+            if p < len(hashes):
+                alive.append(hashes)
         self.seqs = alive
         return out
 
