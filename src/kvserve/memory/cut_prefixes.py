@@ -7,9 +7,9 @@ attention block, or a sliding window page before that point), the rest of the
 prefix back to the next point that still hits serves no lookup. Yet it keeps its
 key. Under plain LRU it is evicted next all the same, but in a loop (MRU keys,
 `ReusePoints.reuse_key`) every newer loop member's pages go before it, and such
-remainders piled up: Gemma 3 12B, 64 articles round-robin at 1/s held 3.2
-articles' full-attention pages that no lookup could use (2.1 GB of a 35 GB pool)
-on average.
+remainders piled up: Gemma 3 12B, 64 articles round-robin at 1/s held 2.3 GB of
+a 35 GB pool in pages that no hit could use, on average (0.12 GB with this rule;
+`benchmarks/pool_composition.py`).
 
 So the manager registers each finished request's block hashes under the key its
 pages got; an eviction of a page with that key makes the manager find how far the
