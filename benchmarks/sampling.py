@@ -5,10 +5,11 @@ Two kinds of logits: `randn` (torch.randn * 3 in bfloat16, seeded: a flat row wh
 nucleus holds thousands of tokens) and `gemma` (the model's own logits at decode steps of
 32 ShareGPT prompts, greedy; its nucleus at top_p 0.9 is a few to ~100 tokens).
 
-    python benchmarks/sampling.py [--logits randn gemma] [--strided]
+    python benchmarks/sampling.py [--logits randn gemma] [--strided] [--device cuda]
 
 --strided passes the logits as a view of a wider tensor, which the compiled pass does not
-take: torch's path, the one every GPU step runs.
+take: torch's path, the one every GPU step runs; --device cuda runs that path on a GPU
+(`randn` logits only: the Gemma logits come from the engine on this CPU's GGUF).
 """
 
 from __future__ import annotations
@@ -73,8 +74,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--logits", nargs="*", default=["randn", "gemma"])
     ap.add_argument("--strided", action="store_true", help="torch's path (see above)")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    out = {"cpu": summary(), "threads": torch.get_num_threads()}
+    out = {"cpu": summary(), "threads": torch.get_num_threads(), "device": args.device}
+    if args.device != "cpu":
+        out["gpu"] = torch.cuda.get_device_name(args.device)
     for kind in args.logits:
         logits = (gemma_logits() if kind == "gemma" else
                   (torch.randn(32, 262144, generator=torch.Generator().manual_seed(0)) * 3)
@@ -83,6 +87,7 @@ def main() -> None:
             wide = torch.zeros(logits.shape[0], logits.shape[1] + 3, dtype=logits.dtype)
             wide[:, :logits.shape[1]] = logits
             logits = wide[:, :logits.shape[1]]
+        logits = logits.to(args.device)
         out[kind] = {name: {"batch1": ms_a_call(logits[:1], SamplingParams(**kw)),
                             "batch32": ms_a_call(logits, SamplingParams(**kw))}
                      for name, kw in SETTINGS.items()}

@@ -42,7 +42,8 @@ def on_path(logits: torch.Tensor, path: str) -> torch.Tensor:
 @given(temperature=st.one_of(st.just(5e-324), st.floats(0, 1e6)),
        top_p=st.one_of(st.just(5e-324), st.floats(1e-320, 1.0, exclude_min=False)),
        top_k=st.integers(0, 300), seed=st.one_of(st.none(), st.integers(0, 2**32)),
-       spread=st.sampled_from([0.0, 1.0, 1e4]), path=st.sampled_from(["kvs_sample", "torch"]))
+       spread=st.sampled_from([0.0, 1.0, 1e4]),
+       path=st.sampled_from(["kvs_sample", "torch"] + ["cuda"] * torch.cuda.is_available()))
 def test_any_valid_params_sample_a_token(temperature, top_p, top_k, seed, spread, path):
     # Found by fuzzing the API: a top_p below float32's range (5e-324) dropped every token
     # and the engine step failed for the whole batch; a denormal temperature made NaNs.
