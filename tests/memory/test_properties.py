@@ -48,12 +48,17 @@ class MemoryCore(RuleBasedStateMachine):
     specs = SPECS
 
     @initialize(policy=st.sampled_from(["jenga", "jenga", "static", "max_page"]),
-                large_pages=st.integers(8, 40))
-    def setup(self, policy, large_pages):
+                large_pages=st.integers(8, 40), window_only=st.booleans(),
+                tail=st.sampled_from([None, 16]))
+    def setup(self, policy, large_pages, window_only, tail):
         probe = policy_layout(policy, SPECS, T)[0]
         self.mgr = KVCacheManager(
-            SPECS, probe.large_page_bytes * large_pages, tokens_per_page=T, policy=policy
+            SPECS, probe.large_page_bytes * large_pages, tokens_per_page=T, policy=policy,
+            window_only=window_only,
         )
+        self.window_only = window_only
+        if tail is not None:  # a prompt end region shorter than the prompts: some of a
+            self.mgr.reuse.PROMPT_TAIL = tail  # windowed spec's blocks serve no reuse point
         self.content = {}  # (spec, pid) -> {slot: identity}
         self.prompt_len = {}
         self.next_id = 0
@@ -66,13 +71,18 @@ class MemoryCore(RuleBasedStateMachine):
         return (r.tokens[pos], tuple(im.content_hash for im in r.images if im.offset < end))
 
     def write(self, rid, lo, hi):
-        """Play the model runner: fill the slots of positions [lo, hi)."""
+        """Play the model runner: fill the slots of positions [lo, hi). Under window_only
+        a windowed spec may leave out keys no later step reads (before the window at hi);
+        check_hit finds any hit that would need one."""
         r = self.mgr.reqs[rid]
         for s, spec in enumerate(self.specs):
             table = r.tables[s]
             if spec.kind in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED):
+                read_later = self.mgr.managers[s].window_start(hi)
                 for pos in range(lo, hi):
                     pid = table[pos // T]
+                    if pid == NO_PAGE and self.window_only and pos < read_later:
+                        continue
                     assert pid != NO_PAGE, f"{spec.name}: no page for position {pos}"
                     self.content.setdefault((s, pid), {})[pos % T] = self.identity(r, pos)
             elif spec.kind is LayerKind.MAMBA:

@@ -91,3 +91,22 @@ def test_the_engine_on_cuda_decodes_hf_greedy_tokens(tmp_path, family: str) -> N
     small = _engine(tmp_path, ROOM[family], max_num_seqs=4, max_num_batched_tokens=16)
     preempted, _ = engine_run(small, prompts, NEW)
     assert preempted == got and small.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("family", ["ministral", "gemma2"])
+def test_prompts_longer_than_their_end_region_page_only_what_later_steps_read(tmp_path,
+                                                                               family):
+    """On the GPU every prefill chunk reads its own keys from k and v (window_only):
+    prompts of 330-400 tokens in one step leave their sliding layers' keys before the
+    prompt's end region unpaged, and the tokens are still HF's, alone and from the cache."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg, cls = _case(family)
+    hf = save_tiny(cfg, cls, tmp_path)
+    prompts = random_prompts([400, 330], seed=3)
+    want = [hf_greedy(hf, p, NEW) for p in prompts]
+    engine = _engine(tmp_path, 2048, max_num_batched_tokens=1024)
+    assert engine.runner.attn.window_only
+    got = [engine_run(engine, [p], NEW, ids=[f"alone{i}"])[0][0] for i, p in enumerate(prompts)]
+    _same_or_near_tie(hf, prompts, got, want)
+    again, cached = engine_run(engine, prompts, NEW, ids=["a", "b"])
+    assert again == got and min(cached) > 0

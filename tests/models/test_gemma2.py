@@ -18,12 +18,14 @@ from hf_tiny import (
     check_greedy,
     check_preemption,
     engine_greedy,
+    engine_run,
     hf_greedy,
     load_engine,
     random_prompts,
     save_tiny,
 )
 
+from kvserve.memory.manager import ReusePoints
 from kvserve.memory.spec import LayerKind
 from kvserve.models.attention_ref import sequence_logits
 
@@ -107,6 +109,37 @@ def test_preemption_keeps_tokens(tiny):
 def test_sliding_memory_is_bounded(tiny):
     _, directory, prompts, _ = tiny
     check_bounded(directory, prompts, LayerKind.SLIDING, WINDOW + PAGE, NEW)
+
+
+@pytest.mark.parametrize("budget", [1024, 150])
+def test_a_step_pages_only_the_keys_later_steps_read(tiny, monkeypatch, budget):
+    """Softcapped layers take torch's path on CPU, as every layer does on a GPU: a
+    prefill chunk's queries read the chunk's own keys from k and v, so its sliding
+    layers page only what a later step reads (the window at the chunk's end, and the
+    prompt's end region, where a next question may branch off). Prompts longer than
+    that region: in one step or in chunks, the tokens are HF's, alone and again from
+    the prefix cache, and the sliding layers never hold more than that."""
+    hf, directory, _, _ = tiny
+    prompts = random_prompts([400, 330], seed=3)
+    want = [hf_greedy(hf, p, NEW) for p in prompts]
+    eng = load_engine(directory, max_num_batched_tokens=budget)
+    assert eng.runner.attn.window_only
+    spec = next(s for s in eng.kv.layout.specs if s.kind is LayerKind.SLIDING)
+    most, allocate = [0], eng.kv.allocate_slots
+
+    def allocate_slots(req_id, n):  # the peak is inside a step, before the window moves
+        ok = allocate(req_id, n)
+        used = {s.name: s.used for s in eng.kv.stats().specs}[spec.name]
+        most[0] = max(most[0], used // spec.token_bytes())
+        return ok
+
+    monkeypatch.setattr(eng.kv, "allocate_slots", allocate_slots)
+    got = [engine_greedy(eng, [p], NEW, [f"alone{i}"])[0] for i, p in enumerate(prompts)]
+    assert got == want
+    region = ReusePoints.PROMPT_TAIL + WINDOW + 2 * PAGE  # and a page on either side
+    assert 0 < most[0] <= region < min(map(len, prompts))
+    again, cached = engine_run(eng, prompts, NEW, ids=["a", "b"])
+    assert again == want and min(cached) > 0
 
 
 @pytest.mark.slow

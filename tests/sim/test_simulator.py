@@ -21,7 +21,9 @@ LONG = "decode20:n=8,lo=3000,hi=6000,out_lo=20,out_hi=40"
 
 
 def _expected_ideal(cfg: SimConfig, batch) -> dict[str, int]:
-    """Bytes the scheduled requests need, from their positions alone (no prefix sharing)."""
+    """Bytes the scheduled requests need, from their positions alone (no prefix sharing).
+    Jenga's sliding layers need no slot for a step's keys before the window at its end
+    (its prefill reads them from k and v: KVCacheManager's window_only)."""
     out: dict[str, int] = {}
     for spec in cfg.model.kv_specs():
         per_token = spec.num_layers * spec.bytes_per_token
@@ -30,6 +32,8 @@ def _expected_ideal(cfg: SimConfig, batch) -> dict[str, int]:
             end = s.start + s.num_tokens  # slots allocated this step
             first = max(0, s.start - spec.window) if spec.kind is LayerKind.SLIDING else 0
             total += (end - first) * per_token
+            if spec.kind is LayerKind.SLIDING and cfg.policy == "jenga":
+                total -= max(0, end - spec.window - s.start) * per_token
         out[spec.name] = total
     return out
 

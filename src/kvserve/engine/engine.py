@@ -221,6 +221,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv, bindings, shapes, cfg.kv_backend,
                                   kv_bytes)
+        self.kv.set_window_only(getattr(self.runner.attn, "window_only", False))
         host = None
         if self.kv.host is not None:
             host = HostPool(self.kv.layout, self.kv.host.alloc.num_large,

@@ -339,6 +339,11 @@ class SpecManager:
             plen = self.alloc.specs[self.s].plen
             self.alloc.free(self.s, sorted(held, key=plen.__getitem__, reverse=True), now)
 
+    def early_pages(self, r: RequestKV) -> list[int]:
+        """Pages the step in flight writes only for r's reuse points (none but under
+        TextStream.window_only)."""
+        return []
+
     def live_slots(self, r: RequestKV) -> list[tuple[object, int]]:
         """(key, slots) of the tokens this request needs now; shared blocks share a key.
 
@@ -350,6 +355,10 @@ class SpecManager:
 
 class TextStream(SpecManager):
     """Full, sliding-window and chunked-local attention over the text tokens."""
+
+    # Whether the attention reads a step's own keys from its activations, so that a
+    # windowed spec needs pages only for the keys later steps read (`_written`).
+    window_only = False
 
     def free_all(self, r: RequestKV, now: int) -> None:
         # What r generated serves only a next turn of its conversation: while no
@@ -412,18 +421,54 @@ class TextStream(SpecManager):
         r.tables[self.s] = [NO_PAGE] * first + pids
         r.released[self.s] = first
 
+    def _written(self, r: RequestKV, upto: int) -> list[bool] | None:
+        """For r's new blocks up to token `upto`: whether each gets a page (None: all).
+
+        Every block does, unless `window_only`: then a windowed spec's block does
+        only if a later step reads it, i.e. it lies in the window at `upto` or in
+        the window before one of r's reuse points. The step's queries read the
+        others from the step's own keys, so a prompt prefilled in one step never
+        holds more than a window of pages per layer outside its reuse points:
+        Gemma 3 12B's 40 sliding layers hold 1K tokens of a 20K-token prompt.
+        """
+        if not self.window_only or self.spec.kind is LayerKind.FULL:
+            return None
+        lo, hi = len(r.tables[self.s]), -(-upto // self.T)
+        keep = max(lo, min(hi, self.window_start(upto) // self.T))
+        if keep == lo:
+            return None
+        useful = ([False] * (keep - lo) if self.reuse is None
+                  else self._serves_reuse_point(r, lo, keep))
+        return useful + [True] * (hi - keep)
+
     def num_new_pages(self, r: RequestKV, upto: int) -> int:
-        return max(0, -(-upto // self.T) - len(r.tables[self.s]))
+        written = self._written(r, upto)
+        if written is None:
+            return max(0, -(-upto // self.T) - len(r.tables[self.s]))
+        return sum(written)
+
+    def early_pages(self, r: RequestKV) -> list[int]:
+        if not self.window_only or self.spec.kind is LayerKind.FULL:
+            return []
+        lo, hi = -(-r.num_computed // self.T), self.window_start(r.num_alloc) // self.T
+        return [p for p in r.tables[self.s][lo:hi] if p != NO_PAGE]
 
     def peak_pages(self, num_tokens: int, chunk: int, images: Sequence[ImageInput]) -> int:
         full = -(-num_tokens // self.T)
         if self.spec.kind is LayerKind.FULL:
             return full
         reach = self.spec.window if self.spec.kind is LayerKind.SLIDING else self.spec.chunk
+        if self.window_only:  # the window held from before the step, and the one at its end
+            chunk = min(chunk, reach + self.T)
         return min(full, -(-(reach + chunk) // self.T) + 1)
 
     def install(self, r: RequestKV, pids: list[int], upto: int) -> None:
-        r.tables[self.s].extend(pids)
+        written = self._written(r, upto)
+        if written is None:
+            r.tables[self.s].extend(pids)
+            return
+        it = iter(pids)
+        r.tables[self.s].extend(next(it) if w else NO_PAGE for w in written)
 
     def advance(self, r: RequestKV, done: int, now: int) -> None:
         table, T, s = r.tables[self.s], self.T, self.s
@@ -506,11 +551,18 @@ class TextStream(SpecManager):
     def live_slots(self, r: RequestKV) -> list[tuple[object, int]]:
         T, n = self.T, r.num_alloc
         lo = self.window_start(r.num_computed)
+        # Keys of the step in flight that no later step reads need no slot (_written).
+        gap_lo, gap_hi = r.num_computed, 0
         if self.spec.kind is LayerKind.FULL:
             lo = max(lo, r.lent)  # lent blocks live on other instances
+        elif self.window_only:
+            gap_hi = self.window_start(n)
         out: list[tuple[object, int]] = []
         for b in range(lo // T, -(-n // T)):
-            slots = min(n, b * T + T) - max(lo, b * T)
+            a, e = max(lo, b * T), min(n, b * T + T)
+            slots = e - a - max(0, min(e, gap_hi) - max(a, gap_lo))
+            if slots <= 0:
+                continue
             key = r.hashes[b] if slots == T and b < len(r.hashes) else (r.req_id, b)
             out.append((key, slots))
         return out

@@ -108,10 +108,13 @@ class KVCacheManager:
         enable_caching: bool = True,
         host_bytes: int = 0,
         worth_loading: LoadRule | None = None,
+        window_only: bool = False,
     ) -> None:
         """`host_bytes`: a host tier of that size keeps what the device pool evicts;
         `worth_loading` decides, per lookup, whether loading from it beats recomputing
-        (default: always)."""
+        (default: always); `window_only`: the attention reads a step's own keys from
+        its activations, so windowed specs get pages only for keys later steps read
+        (TextStream._written)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
         self.model_specs = tuple(specs)
@@ -171,6 +174,7 @@ class KVCacheManager:
             for name, names in members.items()
         }
         self.reqs: dict[RequestId, RequestKV] = {}
+        self.set_window_only(window_only)
         self._waits: dict[RequestId, int] = {}  # deferred loop misses: num_admitted then
         self.now = 0
         self._arrivals = 0
@@ -179,6 +183,15 @@ class KVCacheManager:
         self.hit_tokens = 0
         # Running requests still computing their prompt: waits_for_running.
         self.computing: dict[RequestId, RequestKV] = {}
+
+    def set_window_only(self, on: bool) -> None:
+        """Whether windowed specs get pages only for the keys later steps read (the
+        attention takes a step's own keys from its activations); before any request."""
+        if self.reqs:
+            raise RuntimeError("set_window_only: requests hold pages already")
+        for m in (*self.managers, *self._ideal_rules):
+            if isinstance(m, TextStream):
+                m.window_only = on
 
     @property
     def num_large_pages(self) -> int:
@@ -885,8 +898,10 @@ class KVCacheManager:
             # the large page is evicted: count them as reclaimable, not as waste.
             idle = sp.n_idle_empty
             # Pages held only for a reuse point are cache that running requests can
-            # take back (_drop_held): count them as evictable, not as used.
-            held = sum(1 for r in self.reqs.values() for p in r.held.get(m.s, ()) if sp.ref[p] == 1)
+            # take back (_drop_held): count them as evictable, not as used; so are
+            # those a step writes only for a reuse point, held once it ends.
+            held = sum(1 for r in self.reqs.values()
+                       for p in (*r.held.get(m.s, ()), *m.early_pages(r)) if sp.ref[p] == 1)
             used, empty = (sp.n_used - held) * pb, (sp.n_empty - idle) * pb
             out.append(SpecStats(m.spec.name, pb, used, (sp.n_evictable + idle + held) * pb,
                                  empty, need, used + empty - need))

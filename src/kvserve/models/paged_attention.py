@@ -6,7 +6,11 @@ query row, decode token or prefill chunk token, goes to one compiled kernel
 call per layer that reads the pages in place (`kvserve.kernels.cpu`). The
 torch path (GPUs, or no C compiler) gathers pages instead: decode sequences
 in a few padded groups of similar length, two batched matmuls each; prefill
-chunks one sequence at a time through SDPA. Masks follow HF: a query at
+chunks one sequence at a time through SDPA, a windowed layer's chunk over the keys
+before it from pages and its own from the step's k and v (as SGLang's extend
+attention), so the memory core pages only the keys later steps read
+(`window_only`: a 20K-token prompt in one step holds a window of sliding pages,
+not 20K tokens of them). Masks follow HF: a query at
 position p sees keys k <= p, on sliding layers k > p - window and on chunked
 layers (Llama 4) k >= p // chunk * chunk. Softcapped
 layers (Gemma 2) always take the torch path, with eager scores in float32 where
@@ -130,6 +134,11 @@ class PagedAttention:
         self.kernel_prefill = (self.kernels is not None and not self._softcapped
                                and (views[0].dtype == torch.float32
                                     or "avx512_bf16" in cpu_flags()))
+        # Prefill chunks through torch read a windowed layer's keys before the chunk from
+        # pages and the chunk's own from k and v (as SGLang's extend attention): the
+        # memory core then pages only what later steps read (KVCacheManager.window_only).
+        # The kernel reads every key from pages, so there every key is written.
+        self.window_only = not self.kernel_prefill
         self.state_plans: dict[str, list[StateSeq]] = {}
 
     # ----------------------------------------------------------------- prepare
@@ -182,9 +191,14 @@ class PagedAttention:
             offsets.append(offsets[-1] + s.num_new)
         self.row_start = offsets
         self.prefill = {
-            key: [self._gather([seqs[i]], *key) for i in self.prefill_rows]
+            key: [self._gather([seqs[i]], *key, fresh=self._fresh(key))
+                  for i in self.prefill_rows]
             for key in self._windows
         }
+
+    def _fresh(self, key: tuple[str, int, int]) -> bool:
+        """Whether prefill chunks of these layers read their own keys from k and v."""
+        return self.window_only and any(key[1:])
 
     def _prepare_gathers(self) -> None:
         """The torch path: decode rows in length groups, prefill chunks one by one."""
@@ -208,14 +222,21 @@ class PagedAttention:
         return (self.kernels is not None and not self._softcapped and not self.spread
                 and self.decode_index is None)
 
-    def _write_slots(self, spec: str, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _write_slots(self, spec: str, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The new tokens' pages and offsets, and which rows of k and v they are (None:
+        all). A token has no page only where window_only lets a chunk's keys that no
+        later step reads go unwritten; the chunk's own queries read them from k and v."""
         pages = []
         for s in self.seqs:
             table = s.tables[spec]
             pages += [table[p // self.T] for p in range(s.start, s.start + s.num_new)]
-        if min(pages) < 0:
-            raise RuntimeError(f"spec {spec!r}: a new token has no page")
-        return (torch.tensor(pages, device=self.device), (pos % self.T).to(self.device))
+        pages, offs, rows = torch.tensor(pages), pos % self.T, None
+        if bool((pages < 0).any()):
+            if not self.window_only:
+                raise RuntimeError(f"spec {spec!r}: a new token has no page")
+            rows = (pages >= 0).nonzero().flatten()
+            pages, offs, rows = pages[rows], offs[rows], rows.to(self.device)
+        return pages.to(self.device), offs.to(self.device), rows
 
     def _key_ranges(self, pos: torch.Tensor, spec: str, window: int,
                     chunk: int) -> tuple[torch.Tensor, ...]:
@@ -225,7 +246,9 @@ class PagedAttention:
         rows = []
         for s in seqs:
             table = s.tables[spec][:-(-(s.start + s.num_new) // T)]
-            first = first_key(s.start, window, chunk) if window or chunk else s.lent
+            # (a chunk's rows go to the kernel only where every key is written)
+            last = s.start if self.kernel_prefill else s.start + s.num_new - 1
+            first = first_key(last, window, chunk) if window or chunk else s.lent
             if min(table[first // T:]) < 0:
                 raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
             rows.append(table)
@@ -243,30 +266,39 @@ class PagedAttention:
         return (tables.clamp_min(0), seq, lo.int(), (pos + 1 - lo).int())
 
     def _gather(self, group: Sequence[SeqStep], spec: str, window: int,
-                chunk: int = 0) -> _Gather:
-        """Gather whole pages (one index per page, not per token); the mask trims them."""
+                chunk: int = 0, fresh: bool = False) -> _Gather:
+        """Gather whole pages (one index per page, not per token); the mask trims them.
+
+        `fresh` (one prefill chunk of a windowed layer): pages only up to the chunk's
+        start, and the mask goes on over the chunk's own keys, which _prefill appends
+        from k and v."""
         T = self.T
         q_len = max(s.num_new for s in group)
         firsts = [(first_key(s.start, window, chunk) if window or chunk else s.lent) // T
                   for s in group]
-        lasts = [-(-(s.start + s.num_new) // T) for s in group]
+        lasts = [-(-(s.start + (0 if fresh else s.num_new)) // T) for s in group]
         P = max(last - first for first, last in zip(firsts, lasts))
         rows = []
         for s, first, last in zip(group, firsts, lasts):
             pages = s.tables[spec][first:last]
-            if min(pages) < 0 and not (window or chunk):
+            if pages and min(pages) < 0 and not (window or chunk):
                 raise RuntimeError(f"spec {spec!r}: a needed page was released")
             rows.append(pages + [0] * (P - len(pages)))
         key_pos = torch.tensor(firsts)[:, None] * T + torch.arange(P * T)[None, :]
         q_pos = torch.stack([torch.arange(s.start, s.start + q_len) for s in group])
+        if fresh:  # the pages' keys up to the chunk, then the chunk's own
+            key_pos = torch.cat((key_pos.masked_fill(key_pos >= group[0].start, 1 << 62),
+                                 q_pos), dim=1)
         mask = key_pos[:, None, :] <= q_pos[:, :, None]  # causal; also drops padding pages
         if window:
             mask &= key_pos[:, None, :] > q_pos[:, :, None] - window
         if chunk:
             mask &= key_pos[:, None, :] >= q_pos[:, :, None] // chunk * chunk
-        pages = torch.tensor(rows)
+        pages = torch.tensor(rows, dtype=torch.long).view(len(group), P)
         # A released page (-1) may only sit where the window already masks it out.
         released = (pages < 0).repeat_interleave(T, dim=1)[:, None, :]
+        if fresh:
+            released = F.pad(released, (0, q_len))
         if bool((released & mask).any()):
             raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
         return _Gather(pages.clamp_min(0).to(self.device), mask[:, None].to(self.device))
@@ -304,7 +336,8 @@ class PagedAttention:
         b = self.bindings[layer_idx]
         self.scale, self.softcap = b.scale, b.softcap  # the layer's, read by every path below
         cache = self.pool.layer(b.spec, b.index)
-        pages, offs = self.writes[b.spec]
+        pages, offs, written = self.writes[b.spec]
+        kw, vw = (k, v) if written is None else (k[written], v[written])
         key = (b.spec, b.window, b.chunk)
         spread = self.spread if not (b.window or b.chunk) else []
         if spread and b.softcap is not None:
@@ -313,12 +346,12 @@ class PagedAttention:
         waits = [(i, self.seqs[i].remote.attend(b.index, q[self._rows(i)])) for i in spread]
         lse = torch.empty(q.shape[:2]) if spread and self.kernels else None
         if self.kernels:
-            self.kernels.store_kv(cache, k, v, pages, offs)
-            out = (self._torch_attention(cache, q, key) if b.softcap is not None
-                   else self._kernel_attention(cache, q, key, lse))
+            self.kernels.store_kv(cache, kw, vw, pages, offs)
+            out = (self._torch_attention(cache, q, key, k, v) if b.softcap is not None
+                   else self._kernel_attention(cache, q, key, lse, k, v))
         else:
-            cache[pages, :, offs] = torch.stack((k, v), dim=1).to(cache.dtype)
-            out = self._torch_attention(cache, q, key)
+            cache[pages, :, offs] = torch.stack((kw, vw), dim=1).to(cache.dtype)
+            out = self._torch_attention(cache, q, key, k, v)
         for i, wait in waits:
             rows = self._rows(i)
             if lse is not None and self.seqs[i].num_new == 1:  # the kernel's own row
@@ -332,7 +365,8 @@ class PagedAttention:
         return slice(self.row_start[i], self.row_start[i + 1])
 
     def _kernel_attention(self, cache: torch.Tensor, q: torch.Tensor,
-                          key: tuple[str, int, int], lse: torch.Tensor | None) -> torch.Tensor:
+                          key: tuple[str, int, int], lse: torch.Tensor | None,
+                          k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Decode rows through the kernel (log-sum-exp into `lse` [rows, Hq] if given),
         prefill chunks through SDPA."""
         dec = self.decode_index
@@ -345,16 +379,17 @@ class PagedAttention:
                                                     self.scale, part)
             if lse is not None:
                 lse[dec] = part
-        return self._prefill_into(out, cache, q, key)
+        return self._prefill_into(out, cache, q, key, k, v)
 
     def _torch_attention(self, cache: torch.Tensor, q: torch.Tensor,
-                         key: tuple[str, int, int]) -> torch.Tensor:
+                         key: tuple[str, int, int], k: torch.Tensor,
+                         v: torch.Tensor) -> torch.Tensor:
         if self.all_decode:  # rows are the sequences, in one group: no scatter needed
             return self._decode(cache, self.decode[key][0], q)
         out = torch.empty_like(q)
         for rows, g in zip(self.decode_groups, self.decode[key]):
             out[rows] = self._decode(cache, g, q[rows])
-        return self._prefill_into(out, cache, q, key)
+        return self._prefill_into(out, cache, q, key, k, v)
 
     def _local_partial(self, cache: torch.Tensor, g: _Gather, q: torch.Tensor) -> Partial:
         """A spread request's attention over the keys held here, with its log-sum-exp."""
@@ -362,10 +397,15 @@ class PagedAttention:
         return partial_attention(q, keys[0], values[0], self.scale, g.mask[0, 0])
 
     def _prefill_into(self, out: torch.Tensor, cache: torch.Tensor, q: torch.Tensor,
-                      key: tuple[str, int, int]) -> torch.Tensor:
+                      key: tuple[str, int, int], k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        """Each prefill chunk's rows of out; k, v: the step's new keys and values."""
+        fresh = self._fresh(key)
         for i, g in zip(self.prefill_rows, self.prefill[key]):
             rows = slice(self.row_start[i], self.row_start[i + 1])
-            out[rows] = self._prefill(cache, g, q[rows][None])[0]
+            # The chunk's own keys as the pages would hold them (rounded to their dtype).
+            own = [x[rows][None].to(cache.dtype).to(q.dtype) for x in (k, v)] if fresh else ()
+            out[rows] = self._prefill(cache, g, q[rows][None], *own)[0]
         return out
 
     def _keys_values(self, cache: torch.Tensor, g: _Gather,
@@ -407,10 +447,14 @@ class PagedAttention:
         probs = torch.softmax(scores.add_(bias), dim=-1).to(qg.dtype)
         return torch.matmul(probs, values)
 
-    def _prefill(self, cache: torch.Tensor, g: _Gather, q: torch.Tensor) -> torch.Tensor:
-        """q [B, Q, Hq, D] -> [B, Q, Hq, D] over the gathered pages."""
+    def _prefill(self, cache: torch.Tensor, g: _Gather, q: torch.Tensor,
+                 *own: torch.Tensor) -> torch.Tensor:
+        """q [B, Q, Hq, D] -> [B, Q, Hq, D] over the gathered pages, then the chunk's own
+        keys and values (`own`, each [B, Q, Hkv, D]) where the gather was `fresh`."""
         B, Q, Hq, D = q.shape
         keys, values = self._keys_values(cache, g, q.dtype)
+        if own:
+            keys, values = torch.cat((keys, own[0]), dim=1), torch.cat((values, own[1]), dim=1)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         Hkv = keys.shape[1]
         group = Hq // Hkv

@@ -153,6 +153,9 @@ class Simulator:
             budget.kv, cfg.tokens_per_page,
             policy=cfg.policy, enable_caching=cfg.enable_caching,
             host_bytes=cfg.host_bytes, worth_loading=self._worth_loading,
+            # kvserve's prefill reads a step's own keys from k and v; the baselines are
+            # other engines' allocators (vLLM v0 / v1, the paper's), which page them all.
+            window_only=cfg.policy == "jenga",
         )
         self.sched = Scheduler(self.kv, cfg.max_num_seqs, cfg.batched_tokens)
         self._moved = [0, 0]  # bytes copied this step: [device -> host, host -> device]
