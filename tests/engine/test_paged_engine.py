@@ -67,6 +67,32 @@ def test_batched_greedy_matches_reference(tiny, kw):
     assert run(engine(tiny, **kw), ps) == reference(tiny, ps)
 
 
+def test_prompts_past_their_end_region_page_only_what_later_steps_read(tiny, monkeypatch):
+    """Prompts longer than the 256-token end region plus the window of 8, in steps of
+    200 tokens: the sliding layers' keys before the window at a step's end and outside
+    that region get no page (window_only). The kernel reads such a chunk from a copy of
+    the pages before it and its own k and v (`_holed_attention`), torch's path from the
+    pages and k and v: every attention output agrees, and the tokens are the
+    reference's, alone and again from the cache."""
+    kw = dict(kv_memory=4 << 20, max_num_batched_tokens=200)
+    eng = engine(tiny, **kw)
+    attn, unpaged, copies = eng.runner.attn, [], []
+    write_slots, holed = attn._write_slots, attn._holed_attention
+    monkeypatch.setattr(attn, "_write_slots",
+                        lambda *a: (out := write_slots(*a), unpaged.append(out[2]))[0])
+    monkeypatch.setattr(attn, "_holed_attention", lambda *a: copies.append(a) or holed(*a))
+    ps = prompts(2, [480, 450], seed=4)
+    want = reference(tiny, ps)
+    assert [run(eng, [p])[0] for p in ps] == want
+    assert any(rows is not None for rows in unpaged) and copies
+    assert run(eng, ps) == want and eng.kv.hit_tokens > 0
+    got = attention_outputs(engine(tiny, **kw), ps)
+    ref = attention_outputs(engine(tiny, torch_attention=True, **kw), ps)
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("torch_attention", [False, True])
 def test_many_decoding_sequences_match_reference(tiny, torch_attention):
     # 40 sequences of mixed lengths; with torch ops they decode in several length groups

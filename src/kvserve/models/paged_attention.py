@@ -134,12 +134,13 @@ class PagedAttention:
         self.kernel_prefill = (self.kernels is not None and not self._softcapped
                                and (views[0].dtype == torch.float32
                                     or "avx512_bf16" in cpu_flags()))
-        # Prefill chunks through torch read a windowed layer's keys before the chunk from
-        # pages and the chunk's own from k and v (as SGLang's extend attention): the
-        # memory core then pages only what later steps read (KVCacheManager.window_only).
-        # The kernel reads every key from pages, so there every key is written.
-        self.window_only = not self.kernel_prefill
+        # A windowed layer's prefill chunk reads the keys before it from pages and its
+        # own from k and v (torch's path, as SGLang's extend attention; the kernel from a
+        # copy of both, `_holed_attention`): the memory core then pages only the keys
+        # later steps read (KVCacheManager.window_only).
+        self.window_only = True
         self.state_plans: dict[str, list[StateSeq]] = {}
+        self.holed: dict[tuple[str, int, int], list[int]] = {}  # _prepare_kernel's
 
     # ----------------------------------------------------------------- prepare
 
@@ -171,15 +172,23 @@ class PagedAttention:
         """The kernel path: decode rows go to the kernel, and prefill chunks too where
         kernel_prefill says so, else to SDPA over gathered pages."""
         self._prepare_prefill(chunks=not self.kernel_prefill)
+        self.holed: dict[tuple[str, int, int], list[int]] = {}
         ranges = {key: self._key_ranges(pos, *key) for key in self._windows}
         self.decode_index = None
+        rows = None
         if self.prefill_rows:
-            starts = self.row_start
-            dec = torch.tensor([starts[i] for i, s in enumerate(self.seqs) if s.num_new == 1],
-                               dtype=torch.long)
-            self.decode_index = dec
-            ranges = {key: (t, seq[dec], lo[dec], n[dec])
-                      for key, (t, seq, lo, n) in ranges.items()}
+            rows = [self.row_start[i] for i, s in enumerate(self.seqs) if s.num_new == 1]
+            self.decode_index = torch.tensor(rows, dtype=torch.long)
+        self.main_rows: dict[tuple[str, int, int], torch.Tensor] = {}
+        for key, holed in self.holed.items():  # their rows read a copy: the rest here
+            keep = torch.ones(len(pos), dtype=torch.bool)
+            for i in holed:
+                keep[self._rows(i)] = False
+            self.main_rows[key] = keep.nonzero().flatten()
+        for key, (t, seq, lo, n) in ranges.items():
+            pick = self.decode_index if rows is not None else self.main_rows.get(key)
+            if pick is not None:
+                ranges[key] = (t, seq[pick], lo[pick], n[pick])
         self.ranges = ranges
 
     def _prepare_prefill(self, chunks: bool = True) -> None:
@@ -220,7 +229,7 @@ class PagedAttention:
         alone: no prefill chunk through SDPA, no DistAttention shard, no softcapped layer
         (kernels/decoder.c runs such a step's layers in one call)."""
         return (self.kernels is not None and not self._softcapped and not self.spread
-                and self.decode_index is None)
+                and self.decode_index is None and not self.holed)
 
     def _write_slots(self, spec: str, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The new tokens' pages and offsets, and which rows of k and v they are (None:
@@ -244,13 +253,15 @@ class PagedAttention:
         sequence, first visible key and number of keys (int32)."""
         T, seqs = self.T, self.seqs
         rows = []
-        for s in seqs:
+        for i, s in enumerate(seqs):
             table = s.tables[spec][:-(-(s.start + s.num_new) // T)]
-            # (a chunk's rows go to the kernel only where every key is written)
+            # (chunks that SDPA computes need their last row's keys here, decode rows)
             last = s.start if self.kernel_prefill else s.start + s.num_new - 1
             first = first_key(last, window, chunk) if window or chunk else s.lent
             if min(table[first // T:]) < 0:
-                raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
+                if not (self.kernel_prefill and s.num_new > 1 and (window or chunk)):
+                    raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
+                self.holed.setdefault((spec, window, chunk), []).append(i)  # window_only
             rows.append(table)
         P = max(len(r) for r in rows)
         # Pages released before a window (-1) are never read; 0 keeps every id in bounds.
@@ -370,6 +381,15 @@ class PagedAttention:
         """Decode rows through the kernel (log-sum-exp into `lse` [rows, Hq] if given),
         prefill chunks through SDPA."""
         dec = self.decode_index
+        if dec is None and key in self.holed:  # (lse: spread rows are full attention's)
+            out = torch.empty_like(q)
+            main = self.main_rows[key]
+            if len(main):
+                out[main] = self.kernels.paged_attention(q[main], cache, *self.ranges[key],
+                                                         self.scale)
+            for i in self.holed[key]:
+                out[self._rows(i)] = self._holed_attention(i, cache, q, key, k, v)
+            return out
         if dec is None:  # no prefill chunk: every row to the kernel
             return self.kernels.paged_attention(q, cache, *self.ranges[key], self.scale, lse)
         out = torch.empty_like(q)
@@ -380,6 +400,27 @@ class PagedAttention:
             if lse is not None:
                 lse[dec] = part
         return self._prefill_into(out, cache, q, key, k, v)
+
+    def _holed_attention(self, i: int, cache: torch.Tensor, q: torch.Tensor,
+                         key: tuple[str, int, int], k: torch.Tensor,
+                         v: torch.Tensor) -> torch.Tensor:
+        """Sequence i's chunk through the kernel where some of its keys have no page
+        (window_only): over a one-layer copy of the pages before the chunk and the
+        chunk's own k and v, laid out as pages at the same positions."""
+        s, T, (spec, window, chunk) = self.seqs[i], self.T, key
+        first, last = first_key(s.start, window, chunk) // T, -(-(s.start + s.num_new) // T)
+        before = s.tables[spec][first:-(-s.start // T)]
+        scratch = cache.new_empty((last - first, *cache.shape[1:]))
+        if before:
+            scratch[:len(before)] = cache[torch.tensor(before)]
+        rows, pos = self._rows(i), torch.arange(s.start, s.start + s.num_new)
+        self.kernels.store_kv(scratch, k[rows], v[rows], pos // T - first, pos % T)
+        table = torch.zeros((1, last), dtype=torch.int32)
+        table[0, first:] = torch.arange(last - first, dtype=torch.int32)
+        lo = pos // chunk * chunk if chunk else (pos - window + 1).clamp_min(0)
+        return self.kernels.paged_attention(q[rows], scratch, table,
+                                            torch.zeros(len(pos), dtype=torch.int32),
+                                            lo.int(), (pos + 1 - lo).int(), self.scale)
 
     def _torch_attention(self, cache: torch.Tensor, q: torch.Tensor,
                          key: tuple[str, int, int], k: torch.Tensor,
