@@ -110,6 +110,12 @@ def first_key(start: int, window: int, chunk: int = 0) -> int:
 
 
 class PagedAttention:
+    # A windowed layer's prefill chunk reads the keys before it from pages and its own
+    # from k and v (torch's path, as SGLang's extend attention; the kernel from a copy of
+    # both, `_holed_attention`), so the memory core may page only the keys later steps
+    # read (KVCacheManager.set_window_only).
+    window_only = True
+
     def __init__(
         self, pool: KVPool, bindings: Sequence[LayerBinding], block_size: int
     ) -> None:
@@ -134,11 +140,6 @@ class PagedAttention:
         self.kernel_prefill = (self.kernels is not None and not self._softcapped
                                and (views[0].dtype == torch.float32
                                     or "avx512_bf16" in cpu_flags()))
-        # A windowed layer's prefill chunk reads the keys before it from pages and its
-        # own from k and v (torch's path, as SGLang's extend attention; the kernel from a
-        # copy of both, `_holed_attention`): the memory core then pages only the keys
-        # later steps read (KVCacheManager.window_only).
-        self.window_only = True
         self.state_plans: dict[str, list[StateSeq]] = {}
         self.holed: dict[tuple[str, int, int], list[int]] = {}  # _prepare_kernel's
 
@@ -205,9 +206,11 @@ class PagedAttention:
             for key in self._windows
         }
 
-    def _fresh(self, key: tuple[str, int, int]) -> bool:
-        """Whether prefill chunks of these layers read their own keys from k and v."""
-        return self.window_only and any(key[1:])
+    @staticmethod
+    def _fresh(key: tuple[str, int, int]) -> bool:
+        """Whether prefill chunks of these layers read their own keys from k and v: the
+        windowed ones (full attention's are all paged, and read there)."""
+        return any(key[1:])
 
     def _prepare_gathers(self) -> None:
         """The torch path: decode rows in length groups, prefill chunks one by one."""
@@ -233,15 +236,15 @@ class PagedAttention:
 
     def _write_slots(self, spec: str, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The new tokens' pages and offsets, and which rows of k and v they are (None:
-        all). A token has no page only where window_only lets a chunk's keys that no
-        later step reads go unwritten; the chunk's own queries read them from k and v."""
+        all). Only a windowed spec leaves a token without a page (window_only: no later
+        step reads its key; the chunk's own queries read it from k and v)."""
         pages = []
         for s in self.seqs:
             table = s.tables[spec]
             pages += [table[p // self.T] for p in range(s.start, s.start + s.num_new)]
         pages, offs, rows = torch.tensor(pages), pos % self.T, None
         if bool((pages < 0).any()):
-            if not self.window_only:
+            if not any(w or c for name, w, c in self._windows if name == spec):
                 raise RuntimeError(f"spec {spec!r}: a new token has no page")
             rows = (pages >= 0).nonzero().flatten()
             pages, offs, rows = pages[rows], offs[rows], rows.to(self.device)
