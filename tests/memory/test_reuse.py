@@ -20,8 +20,8 @@ SWA = KVSpec("swa", LayerKind.SLIDING, 1, 8, window=16)
 PAGE = T * 8
 
 
-def make(pages: int, specs=(FULL, SWA)) -> KVCacheManager:
-    mgr = KVCacheManager(list(specs), PAGE * pages, tokens_per_page=T)
+def make(pages: int, specs=(FULL, SWA), window_only: bool = False) -> KVCacheManager:
+    mgr = KVCacheManager(list(specs), PAGE * pages, tokens_per_page=T, window_only=window_only)
     assert mgr.layout.pages_per_large == (1,) * len(specs)
     mgr.reuse.PROMPT_TAIL = 5 * T  # the prompt's end region: its last 5 blocks
     return mgr
@@ -218,17 +218,18 @@ LOOP_KEYS_SHARED = [
     (1, 30, 0, 0), (3, 26, 3, 4)]
 
 
+@pytest.mark.parametrize("window_only", [False, True])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pages=st.integers(24, 90), ops=workload())
 @example(pages=33, ops=LOOP_KEYS_SHARED)
-def test_eviction_takes_the_lowest_keys_first(pages, ops):
+def test_eviction_takes_the_lowest_keys_first(window_only, pages, ops):
     """Whatever the workload, an allocation never evicts a page while a page with a
     lower key (DEAD, then older) stays evictable, in either spec; and among the pages
     one request released at one step (at finish, every spec at once) the longest
     prefixes go first across specs (aligned rule), so what stays is a prefix in every
     spec. (Loop keys are shared by several requests' releases, which go in their
-    order: the rule is checked on step keys.)"""
-    mgr = make(pages)
+    order: the rule is checked on step keys.) With window_only as without."""
+    mgr = make(pages, window_only=window_only)
     bases = [[100 * (b + 1) + i for i in range(80)] for b in range(4)]
     for i, (base, keep, tail, out) in enumerate(ops):
         tokens = bases[base][:keep] + [9000 + i] * (tail + 1)
