@@ -180,6 +180,8 @@ class PagedAttention:
         if self.prefill_rows:
             rows = [self.row_start[i] for i, s in enumerate(self.seqs) if s.num_new == 1]
             self.decode_index = torch.tensor(rows, dtype=torch.long)
+        # Every row's key range, for the rows that read a copy (_holed_attention)
+        self.holed_keys = {key: ranges[key][2:] for key in self.holed}
         self.main_rows: dict[tuple[str, int, int], torch.Tensor] = {}
         for key, holed in self.holed.items():  # their rows read a copy: the rest here
             keep = torch.ones(len(pos), dtype=torch.bool)
@@ -420,10 +422,10 @@ class PagedAttention:
         self.kernels.store_kv(scratch, k[rows], v[rows], pos // T - first, pos % T)
         table = torch.zeros((1, last), dtype=torch.int32)
         table[0, first:] = torch.arange(last - first, dtype=torch.int32)
-        lo = pos // chunk * chunk if chunk else (pos - window + 1).clamp_min(0)
+        lo, n = self.holed_keys[key]
         return self.kernels.paged_attention(q[rows], scratch, table,
                                             torch.zeros(len(pos), dtype=torch.int32),
-                                            lo.int(), (pos + 1 - lo).int(), self.scale)
+                                            lo[rows], n[rows], self.scale)
 
     def _torch_attention(self, cache: torch.Tensor, q: torch.Tensor,
                          key: tuple[str, int, int], k: torch.Tensor,
