@@ -1,7 +1,7 @@
 """A step's decoder layers in one kernel call (kernels/decoder.c, models/fused_layers.py): the
 modules' outputs bit for bit at every step (decode, chunked prefill, both together, prefix
-hits, released windows, batch sizes on both sides of a split linear's SMALL), the modules'
-path wherever a step has an op without a kernel of ours, and out-of-memory and refused
+hits, released windows, step pages, batch sizes on both sides of a split linear's SMALL),
+the modules' path wherever a step has an op without a kernel of ours, and out-of-memory and refused
 arguments raised as errors."""
 
 import ctypes
@@ -58,6 +58,7 @@ def steps(model, monkeypatch, fused: bool, ps, **kw) -> tuple[list[torch.Tensor]
     def layers(self, *args):
         out = call(self, *args) if fused else None
         ran[0] += out is not None
+        STEP_PAGES[fused] += out is not None and bool(args[2].scratch)
         return out
 
     def record(self, h):
@@ -76,7 +77,11 @@ SETUPS = [
     {"max_num_batched_tokens": 7},  # chunked prefill beside decode rows
     {"tokens_per_page": 1},
     {"kv_memory": 4 << 20, "max_num_batched_tokens": 512, "n": 20},  # batches past SMALL
+    # past the 256-token end region and the window of 8: keys no later step reads get step
+    # pages instead of the pool's (PagedAttention._step_tables)
+    {"kv_memory": 4 << 20, "max_num_batched_tokens": 200, "n": 2, "lengths": [480, 450]},
 ]
+STEP_PAGES = {True: 0, False: 0}  # fused steps that had step pages
 
 
 MODES = [(torch.float32, "q8"), (torch.bfloat16, "q8"), (torch.bfloat16, "q8+bf16"),
@@ -92,13 +97,15 @@ def test_fused_steps_equal_the_modules_bitwise(family, dtype, mode, kw, monkeypa
     if mode == "q8+int8" and not vnni():
         pytest.skip("q8+int8 needs VNNI")
     kw = dict(kw)
-    n = kw.pop("n", 6)
-    ps = prompts(n, (LENGTHS * 4)[:n])
+    n, lengths = kw.pop("n", 6), kw.pop("lengths", LENGTHS * 4)
+    ps = prompts(n, lengths[:n])
     ps += [ps[0] + [7, 8, 9]]  # a prefix hit on the first prompt
     model = tiny(dtype, mode, family)
     want, _, tokens = steps(model, monkeypatch, False, ps, **kw)
+    STEP_PAGES[True] = 0
     got, ran, fused_tokens = steps(model, monkeypatch, True, ps, **kw)
     assert ran == len(got) == len(want)
+    assert (STEP_PAGES[True] > 0) == (lengths[0] > 256)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert fused_tokens == tokens
     # one plan per row count below the projections' large copies, one for all above
@@ -138,7 +145,8 @@ ONE_LAYER = textwrap.dedent("""
         \"\"\"One row attending to n keys, all on page 0.\"\"\"
         i32 = [torch.tensor([v], dtype=torch.int32) for v in (0, 0, n)]
         parts = (torch.zeros(1, -(-n // T), dtype=torch.int32), *i32,
-                 torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), *cos_sin)
+                 torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), None,
+                 *cos_sin)
         views = (AttentionView * 1)(AttentionView.of(*parts))
         return k.decoder_layers(layers(K), views, torch.randn(1, H), (2, 1, D, I, T), 1e-6,
                               w[5, :H])
@@ -203,4 +211,4 @@ def test_structures_match_decoder_c():
     """The ctypes structures' sizes are the C structs' (pointers and int64 of 8 bytes)."""
     assert ctypes.sizeof(Projection) == 40
     assert ctypes.sizeof(DecoderLayer) == 4 * 40 + 6 * 8 + 4 * 8 + 16
-    assert ctypes.sizeof(AttentionView) == 9 * 8
+    assert ctypes.sizeof(AttentionView) == 11 * 8

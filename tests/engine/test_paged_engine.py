@@ -70,21 +70,20 @@ def test_batched_greedy_matches_reference(tiny, kw):
 def test_prompts_past_their_end_region_page_only_what_later_steps_read(tiny, monkeypatch):
     """Prompts longer than the 256-token end region plus the window of 8, in steps of
     200 tokens: the sliding layers' keys before the window at a step's end and outside
-    that region get no page (window_only). The kernel reads such a chunk from a copy of
-    the pages before it and its own k and v (`_holed_attention`), torch's path from the
-    pages and k and v: every attention output agrees, and the tokens are the
-    reference's, alone and again from the cache."""
+    that region get no page (window_only). The kernel writes such a chunk's keys to step
+    pages and reads them there (`_step_tables`), torch's path reads them from k and v:
+    every attention output agrees, and the tokens are the reference's, alone and again
+    from the cache."""
     kw = dict(kv_memory=4 << 20, max_num_batched_tokens=200)
     eng = engine(tiny, **kw)
-    attn, unpaged, copies = eng.runner.attn, [], []
-    write_slots, holed = attn._write_slots, attn._holed_attention
-    monkeypatch.setattr(attn, "_write_slots",
-                        lambda *a: (out := write_slots(*a), unpaged.append(out[2]))[0])
-    monkeypatch.setattr(attn, "_holed_attention", lambda *a: copies.append(a) or holed(*a))
+    attn, steps = eng.runner.attn, []
+    step_tables = attn._step_tables
+    monkeypatch.setattr(attn, "_step_tables",
+                        lambda: (step_tables(), steps.append(len(attn.scratch)))[0])
     ps = prompts(2, [480, 450], seed=4)
     want = reference(tiny, ps)
     assert [run(eng, [p])[0] for p in ps] == want
-    assert any(rows is not None for rows in unpaged) and copies
+    assert any(steps)
     assert run(eng, ps) == want and eng.kv.hit_tokens > 0
     got = attention_outputs(engine(tiny, **kw), ps)
     ref = attention_outputs(engine(tiny, torch_attention=True, **kw), ps)

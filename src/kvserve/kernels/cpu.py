@@ -68,11 +68,11 @@ def _build(compiler: str, flags: list[str]) -> Path:
 _VP, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # name: (result, argument types). Pointers travel as plain addresses (tensor.data_ptr()).
 _SIGNATURES = {
-    "kvs_paged_attention": (_INT, [_VP, _I64, _I64, _VP, _I64, _I64, _I64, _I64, _VP, _I64,
-                                   _VP, _VP, _VP, _INT, _INT, _INT, _INT, _INT, _F32, _INT,
-                                   _VP, _VP, _INT]),
-    "kvs_store_kv": (None, [_VP, _I64, _I64, _VP, _I64, _I64, _INT, _INT, _INT, _VP, _I64,
-                            _I64, _I64, _I64, _VP, _VP, _INT]),
+    "kvs_paged_attention": (_INT, [_VP, _I64, _I64, _VP, _VP, _I64, _I64, _I64, _I64, _I64,
+                                   _VP, _I64, _VP, _VP, _VP, _INT, _INT, _INT, _INT, _INT, _F32,
+                                   _INT, _VP, _VP, _INT]),
+    "kvs_store_kv": (None, [_VP, _I64, _I64, _VP, _I64, _I64, _INT, _INT, _INT, _VP, _VP, _I64,
+                            _I64, _I64, _I64, _I64, _VP, _VP, _INT]),
     "kvs_norm_rope": (None, [_VP, _I64, _I64, _INT, _INT, _INT, _VP, _F32, _VP, _VP, _INT,
                              _VP, _I64, _I64, _INT]),
     "kvs_add_norm": (None, [_VP, _VP, _INT, _INT, _VP, _VP, _F32, _INT, _VP, _INT]),
@@ -114,19 +114,22 @@ class DecoderLayer(ctypes.Structure):
 class AttentionView(ctypes.Structure):
     """decoder.c's kvs_view: what a kind of layer sees this step."""
     _fields_ = [("tables", _VP), ("tables_stride", _I64),
-                *((name, _VP) for name in ("seq", "lo", "n_keys", "pages", "offs", "cos", "sin"))]
+                *((name, _VP) for name in ("seq", "lo", "n_keys", "pages", "offs", "cos", "sin",
+                                           "scratch")),
+                ("ss_page", _I64)]
 
     @classmethod
     def of(cls, tables: torch.Tensor, seq: torch.Tensor, lo: torch.Tensor, n_keys: torch.Tensor,
-           pages: torch.Tensor, offs: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor) -> AttentionView:
+           pages: torch.Tensor, offs: torch.Tensor, scratch: torch.Tensor | None,
+           cos: torch.Tensor, sin: torch.Tensor) -> AttentionView:
         """From the tensors paged_attention and store_kv take (checked as they check them),
         and cos/signed sin [R, 1, D] in the rows' dtype."""
         R = seq.numel()
         return cls(_ptr(tables, torch.int32), tables.stride(0),
                    *(_ptr(t, torch.int32, R) for t in (seq, lo, n_keys)),
                    *(_ptr(t, torch.int64, R) for t in (pages, offs)),
-                   *(_ptr(t, cos.dtype, cos.numel()) for t in (cos, sin)))
+                   *(_ptr(t, cos.dtype, cos.numel()) for t in (cos, sin)),
+                   *_scratch(scratch))
 
 
 class CpuKernels:
@@ -142,7 +145,8 @@ class CpuKernels:
 
     def paged_attention(self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
                         seq: torch.Tensor, lo: torch.Tensor, n_keys: torch.Tensor,
-                        scale: float, lse: torch.Tensor | None = None) -> torch.Tensor:
+                        scale: float, lse: torch.Tensor | None = None,
+                        scratch: torch.Tensor | None = None) -> torch.Tensor:
         """Attention over pages in place, one query row at a time, or runs of 16 rows of
         one sequence as blocks (bf16 on AVX-512 BF16 builds: AMX tiles where granted,
         vdpbf16ps elsewhere; float32 on every build, the rows in vector lanes):
@@ -152,9 +156,11 @@ class CpuKernels:
         seq[r], whose pages are tables[seq[r]] (page j holds keys [j T, (j + 1) T)), and
         attends to its keys [lo[r], lo[r] + n_keys[r]) (causal and windowed masks are these
         ranges). tables, seq, lo and n_keys are contiguous int32; every page a range
-        touches must be valid. `lse` (contiguous float32 [R, Hq]) receives each row's
-        log-sum-exp of its scaled scores (-inf for an empty range, whose output is 0):
-        what DistAttention merges partial results by.
+        touches must be valid: a pool page (>= 0) or a step page (p <= -2 is scratch[-2 -
+        p], `scratch` [n, 2, T, Hkv, D] contiguous: store_kv writes them). `lse`
+        (contiguous float32 [R, Hq]) receives each row's log-sum-exp of its scaled scores
+        (-inf for an empty range, whose output is 0): what DistAttention merges partial
+        results by.
         """
         if q.dtype != cache.dtype or q.dtype not in _DTYPES or q.stride(-1) != 1:
             raise ValueError("paged_attention: q and cache must share float32 or bfloat16, "
@@ -164,7 +170,7 @@ class CpuKernels:
         out = torch.empty((R, Hq, D), dtype=q.dtype)
         rc = self.lib.kvs_paged_attention(
             q.data_ptr(), q.stride(0), q.stride(1),
-            cache.data_ptr(), *cache.stride()[:4],
+            cache.data_ptr(), *_pages(cache, scratch),
             _ptr(tables, torch.int32), tables.stride(0), _ptr(seq, torch.int32, R),
             _ptr(lo, torch.int32, R), _ptr(n_keys, torch.int32, R),
             R, Hq, Hkv, D, T, scale, _DTYPES[q.dtype], out.data_ptr(),
@@ -174,9 +180,11 @@ class CpuKernels:
         return out
 
     def store_kv(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 pages: torch.Tensor, offs: torch.Tensor) -> None:
+                 pages: torch.Tensor, offs: torch.Tensor,
+                 scratch: torch.Tensor | None = None) -> None:
         """cache[pages[t], 0, offs[t]] = k[t] and [.., 1, ..] = v[t] for k, v [n, Hkv, D]
-        (unit stride in D); pages/offs int64 [n]."""
+        (unit stride in D); pages/offs int64 [n]; a page p <= -2 is scratch[-2 - p]
+        (paged_attention's step pages)."""
         n, Hkv, D = k.shape
         if (k.dtype != cache.dtype or v.dtype != k.dtype or v.shape != k.shape
                 or k.stride(-1) != 1 or v.stride(-1) != 1 or cache.shape[3:] != k.shape[1:]):
@@ -184,7 +192,7 @@ class CpuKernels:
         self.lib.kvs_store_kv(
             k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
             n, Hkv, D,
-            cache.data_ptr(), *cache.stride()[:4], _ptr(pages, torch.int64, n),
+            cache.data_ptr(), *_pages(cache, scratch), _ptr(pages, torch.int64, n),
             _ptr(offs, torch.int64, n), k.element_size())
 
     def norm_rope(self, x: torch.Tensor, scale: torch.Tensor | None, eps: float,
@@ -479,6 +487,26 @@ class QMatmul:
         if rc:
             raise MemoryError(f"{self.name}: no scratch memory")
         return y
+
+
+def _scratch(scratch: torch.Tensor | None) -> tuple[int | None, int]:
+    """Step pages' address and page stride (none: NULL, 0)."""
+    if scratch is None:
+        return None, 0
+    if not scratch.is_contiguous():
+        raise ValueError("step pages must be contiguous [n, 2, T, Hkv, D]")
+    return scratch.data_ptr(), scratch.stride(0)
+
+
+def _pages(cache: torch.Tensor, scratch: torch.Tensor | None) -> tuple[int | None, ...]:
+    """The kernels' page arguments after the pool view's address: the step pages'
+    address, both page strides, the strides within a page (the step pages must share them)."""
+    s_page, *inner = cache.stride()[:4]
+    if scratch is not None and (scratch.dtype != cache.dtype or scratch.shape[1:] != cache.shape[1:]
+                                or list(scratch.stride()[1:4]) != inner):
+        raise ValueError("step pages must be laid out as the pool's pages")
+    ptr, ss_page = _scratch(scratch)
+    return ptr, s_page, ss_page, *inner
 
 
 def _ptr(t: torch.Tensor, dtype: torch.dtype, numel: int | None = None) -> int:

@@ -39,13 +39,16 @@ typedef struct {
 } kvs_layer;
 
 /* What a kind of layer (sliding or full) sees this step, as kvs_paged_attention and
- * kvs_store_kv take it, with its RoPE's cos/signed sin [M, D]. */
+ * kvs_store_kv take it, with its RoPE's cos/signed sin [M, D], and its step pages (one
+ * layer's, [n, 2, T, Hkv, D]: each layer of the kind writes and reads them in turn). */
 typedef struct {
     const int32_t *tables;
     int64_t tables_stride;
     const int32_t *seq, *lo, *n_keys;
     const int64_t *pages, *offs;
     const void *cos, *sin;
+    void *scratch;
+    int64_t ss_page;
 } kvs_view;
 
 void kvs_norm_rope(const void *x, int64_t x_ts, int64_t x_hs, int n, int H, int D,
@@ -56,14 +59,15 @@ void kvs_add_norm(void *x, const void *h, int n, int D, const float *w_add,
 void kvs_gelu_mul(const void *x, int n, int I, int is_bf16, void *out, int nthreads);
 void kvs_silu_mul(const void *x, int n, int I, int is_bf16, void *out, int nthreads);
 void kvs_store_kv(const void *k, int64_t k_ts, int64_t k_hs, const void *v, int64_t v_ts,
-                  int64_t v_hs, int n, int Hkv, int D, void *cache, int64_t s_page,
-                  int64_t s_kv, int64_t s_tok, int64_t s_head, const int64_t *pages,
-                  const int64_t *offs, int esize);
+                  int64_t v_hs, int n, int Hkv, int D, void *cache, void *scratch,
+                  int64_t s_page, int64_t ss_page, int64_t s_kv, int64_t s_tok, int64_t s_head,
+                  const int64_t *pages, const int64_t *offs, int esize);
 int kvs_paged_attention(const void *q, int64_t q_sr, int64_t q_sh, const void *cache,
-                        int64_t s_page, int64_t s_kv, int64_t s_tok, int64_t s_head,
-                        const int32_t *tables, int64_t tables_stride, const int32_t *seq,
-                        const int32_t *lo, const int32_t *n_keys, int R, int Hq, int Hkv, int D,
-                        int T, float scale, int is_bf16, void *out, float *lse, int nthreads);
+                        const void *scratch, int64_t s_page, int64_t ss_page, int64_t s_kv,
+                        int64_t s_tok, int64_t s_head, const int32_t *tables,
+                        int64_t tables_stride, const int32_t *seq, const int32_t *lo,
+                        const int32_t *n_keys, int R, int Hq, int Hkv, int D, int T, float scale,
+                        int is_bf16, void *out, float *lse, int nthreads);
 
 /* x [M, hidden] (the residual stream, updated in place) through layers [0, L). buf holds
  * M * (2 hidden + (2 Hq + 2 Hkv) D + 3 I) elements of x's dtype; its first M * hidden are
@@ -91,11 +95,11 @@ int kvs_decoder_layers(const kvs_layer *layers, int L, const kvs_view *views, vo
         kvs_norm_rope(qkv, W, D, M, Hq + Hkv, D, y->w_qk, eps, v->cos, v->sin, is_bf16, qkv, W,
                       D, threads);
         kvs_store_kv(qkv + (int64_t)Hq * D * es, W, D, qkv + (int64_t)(Hq + Hkv) * D * es, W, D,
-                     M, Hkv, D, y->cache, y->s_page, y->s_kv, y->s_tok, y->s_head, v->pages,
-                     v->offs, (int)es);
-        if (kvs_paged_attention(qkv, W, D, y->cache, y->s_page, y->s_kv, y->s_tok, y->s_head,
-                                v->tables, v->tables_stride, v->seq, v->lo, v->n_keys, M, Hq,
-                                Hkv, D, T, y->scale, is_bf16, att, 0, threads))
+                     M, Hkv, D, y->cache, v->scratch, y->s_page, v->ss_page, y->s_kv, y->s_tok,
+                     y->s_head, v->pages, v->offs, (int)es);
+        if (kvs_paged_attention(qkv, W, D, y->cache, v->scratch, y->s_page, v->ss_page, y->s_kv,
+                                y->s_tok, y->s_head, v->tables, v->tables_stride, v->seq, v->lo,
+                                v->n_keys, M, Hq, Hkv, D, T, y->scale, is_bf16, att, 0, threads))
             return 2;
         PROJ(1);
         kvs_add_norm(x, h, M, hidden, y->w_post_attn, y->w_pre_ff, eps, is_bf16, xn, threads);

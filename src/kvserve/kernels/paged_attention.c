@@ -22,6 +22,15 @@
 
 #include "bf16.h"
 
+/* Where page id p of a table (or a store) lies: p >= 0 is the pool's page, at cache + p
+ * s_page; p <= -2 is page -2 - p of the step's scratch pages, at scratch + (-2 - p) ss_page,
+ * with the pool's strides within a page. A windowed layer's keys that no later step reads get
+ * no page in the pool (window_only); the prefill chunk that computes them writes them there
+ * and its own queries read them there. (-1, a page released before the window, is never
+ * read.) The pointers' type sets the unit of the strides. */
+#define PAGE(cache, scratch, p, s_page, ss_page) \
+    ((p) >= 0 ? (cache) + (int64_t)(p) * (s_page) : (scratch) + (int64_t)(-2 - (p)) * (ss_page))
+
 /* Key and value rows are prefetched this many rows ahead: a sequence's rows lie on pages
  * anywhere in the pool, and the hardware prefetcher, which follows addresses within a 4 KB
  * page, loses them at every page (decode attention of 32 rows x 200 keys, Gemma 3 270M, 18
@@ -268,9 +277,10 @@ static void softmax_bf16(float *sc, int n, int G, float scale, float *lse) {
  * tiles: row r holds dims 2r, 2r + 1 of each key) and vt (per 32 keys, D / 16 tiles: row r
  * holds keys 2r, 2r + 1 of each dim). kt, vt hold npad = nk rounded up to 32 keys; past nk
  * they are zero. */
-static void pack_kv(const uint16_t *cache, int64_t s_page, int64_t s_kv, int64_t s_tok,
-                    int64_t s_head, const int32_t *tbl, int T, int h, int k0, int nk, int npad,
-                    int D, uint32_t *kt, uint16_t *vt) {
+static void pack_kv(const uint16_t *cache, const uint16_t *scratch, int64_t s_page,
+                    int64_t ss_page, int64_t s_kv, int64_t s_tok, int64_t s_head,
+                    const int32_t *tbl, int T, int h, int k0, int nk, int npad, int D,
+                    uint32_t *kt, uint16_t *vt) {
 #pragma omp for schedule(static)
     for (int i = 0; i < npad; i++) {
         uint32_t *kt_tile = kt + (size_t)(i / 16) * (D / 32) * 256 + i % 16;
@@ -281,7 +291,8 @@ static void pack_kv(const uint16_t *cache, int64_t s_page, int64_t s_kv, int64_t
             continue;
         }
         const int k = k0 + i;
-        const uint16_t *key = cache + tbl[k / T] * s_page + (k % T) * s_tok + h * s_head;
+        const uint16_t *key = PAGE(cache, scratch, tbl[k / T], s_page, ss_page) + (k % T) * s_tok
+                              + h * s_head;
         const uint16_t *val = key + s_kv;
         uint32_t pair;
         for (int j = 0; j < D / 2; j++) {
@@ -506,7 +517,8 @@ static int prefill_block(int tiles, const uint16_t *q, int64_t q_sr, int64_t q_s
  * Linux granted them; done[r] set for each row computed. Returns -1 if memory could not be
  * had. */
 static int prefill_blocks(const uint16_t *q, int64_t q_sr, int64_t q_sh, const uint16_t *cache,
-                          int64_t s_page, int64_t s_kv, int64_t s_tok, int64_t s_head,
+                          const uint16_t *scratch, int64_t s_page, int64_t ss_page,
+                          int64_t s_kv, int64_t s_tok, int64_t s_head,
                           const int32_t *tables, int64_t tables_stride, const int32_t *seq,
                           const int32_t *lo, const int32_t *n_keys, int R, int Hq, int Hkv,
                           int D, int T, float scale, uint16_t *out, float *lse, int nthreads,
@@ -536,8 +548,8 @@ static int prefill_blocks(const uint16_t *q, int64_t q_sr, int64_t q_sh, const u
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
         {
             for (int h = 0; h < Hkv; h++)
-                pack_kv(cache, s_page, s_kv, s_tok, s_head, tbl, T, h, k0, nk, npad, D,
-                        kt + (size_t)h * npad * D / 2, vt + (size_t)h * npad * D);
+                pack_kv(cache, scratch, s_page, ss_page, s_kv, s_tok, s_head, tbl, T, h, k0,
+                        nk, npad, D, kt + (size_t)h * npad * D / 2, vt + (size_t)h * npad * D);
 #ifdef HAVE_AMX
             if (tiles) kvs_amx_configure();
 #endif
@@ -830,7 +842,8 @@ static void f32_block(const float *q, int64_t q_sr, int64_t q_sh, const float *c
 /* The rows of runs of FB rows of one sequence (float32), done[r] set for each row computed.
  * Returns -1 if memory could not be had. */
 static int prefill_blocks_f32(const float *q, int64_t q_sr, int64_t q_sh, const float *cache,
-                              int64_t s_page, int64_t s_kv, int64_t s_tok, int64_t s_head,
+                              const float *scratch, int64_t s_page, int64_t ss_page,
+                              int64_t s_kv, int64_t s_tok, int64_t s_head,
                               const int32_t *tables, int64_t tables_stride, const int32_t *seq,
                               const int32_t *lo, const int32_t *n_keys, int R, int Hq, int Hkv,
                               int D, int T, float scale, float *out, float *lse, int nthreads,
@@ -855,7 +868,8 @@ static int prefill_blocks_f32(const float *q, int64_t q_sr, int64_t q_sh, const 
             } else {
                 for (int i = 0; i < span; i++) {
                     const int k = kmin + i;
-                    krow[i] = cache + tbl[k / T] * s_page + (k % T) * s_tok + h * s_head;
+                    krow[i] = PAGE(cache, scratch, tbl[k / T], s_page, ss_page) + (k % T) * s_tok
+                              + h * s_head;
                 }
                 f32_block(q, q_sr, q_sh, krow, s_kv, kmin, span, lo, n_keys, r0, h, G, Hq, D,
                           scale, v, out, lse);
@@ -870,15 +884,16 @@ static int prefill_blocks_f32(const float *q, int64_t q_sr, int64_t q_sh, const 
 }
 
 /* Strides are in elements. Row r of q belongs to sequence seq[r], whose page j (keys
- * [j T, (j + 1) T)) is tables[seq[r] * tables_stride + j]. out is contiguous [R, Hq, D];
+ * [j T, (j + 1) T)) is tables[seq[r] * tables_stride + j] (a step page where <= -2: PAGE).
+ * out is contiguous [R, Hq, D];
  * lse, if not NULL, contiguous float32 [R, Hq] (each row's log-sum-exp of scaled scores).
  * Returns 0, or -1 if scratch memory could not be had. */
 int kvs_paged_attention(
     const void *q, int64_t q_sr, int64_t q_sh,
-    const void *cache, int64_t s_page, int64_t s_kv, int64_t s_tok, int64_t s_head,
-    const int32_t *tables, int64_t tables_stride, const int32_t *seq, const int32_t *lo,
-    const int32_t *n_keys, int R, int Hq, int Hkv, int D, int T, float scale, int is_bf16,
-    void *out, float *lse, int nthreads)
+    const void *cache, const void *scratch, int64_t s_page, int64_t ss_page, int64_t s_kv,
+    int64_t s_tok, int64_t s_head, const int32_t *tables, int64_t tables_stride,
+    const int32_t *seq, const int32_t *lo, const int32_t *n_keys, int R, int Hq, int Hkv,
+    int D, int T, float scale, int is_bf16, void *out, float *lse, int nthreads)
 {
     const int G = Hq / Hkv;
     const size_t esize = is_bf16 ? 2 : 4;
@@ -887,9 +902,10 @@ int kvs_paged_attention(
 #ifdef HAVE_BLOCKED_PREFILL
     if (is_bf16 && D % 32 == 0 && R >= QB) {
         done = calloc((size_t)R, 1);
-        if (!done || prefill_blocks((const uint16_t *)q, q_sr, q_sh, (const uint16_t *)cache, s_page,
-                                 s_kv, s_tok, s_head, tables, tables_stride, seq, lo, n_keys, R,
-                                 Hq, Hkv, D, T, scale, (uint16_t *)out, lse, nthreads, done)) {
+        if (!done || prefill_blocks((const uint16_t *)q, q_sr, q_sh, (const uint16_t *)cache,
+                                    (const uint16_t *)scratch, s_page, ss_page, s_kv, s_tok,
+                                    s_head, tables, tables_stride, seq, lo, n_keys, R, Hq, Hkv,
+                                    D, T, scale, (uint16_t *)out, lse, nthreads, done)) {
             free(done);
             return -1;
         }
@@ -898,9 +914,9 @@ int kvs_paged_attention(
     if (!is_bf16 && R >= FB && G <= FG) {
         done = calloc((size_t)R, 1);
         if (!done || prefill_blocks_f32((const float *)q, q_sr, q_sh, (const float *)cache,
-                                        s_page, s_kv, s_tok, s_head, tables, tables_stride, seq,
-                                        lo, n_keys, R, Hq, Hkv, D, T, scale, (float *)out, lse,
-                                        nthreads, done)) {
+                                        (const float *)scratch, s_page, ss_page, s_kv, s_tok,
+                                        s_head, tables, tables_stride, seq, lo, n_keys, R, Hq,
+                                        Hkv, D, T, scale, (float *)out, lse, nthreads, done)) {
             free(done);
             return -1;
         }
@@ -917,8 +933,9 @@ int kvs_paged_attention(
         const int32_t *tbl = tables + (size_t)seq[r] * tables_stride;
         for (int i = 0; i < n; i++) {
             const int k = first + i;
-            keys[i] = (const char *)cache
-                      + (tbl[k / T] * s_page + (k % T) * s_tok + h * s_head) * esize;
+            keys[i] = PAGE((const char *)cache, (const char *)scratch, tbl[k / T],
+                           s_page * (int64_t)esize, ss_page * (int64_t)esize)
+                      + ((k % T) * s_tok + h * s_head) * esize;
         }
         attend((const char *)q + ((size_t)r * q_sr + (size_t)h * G * q_sh) * esize, q_sh,
                keys, vals, s_kv * (int64_t)esize, n, G, D, scale, is_bf16, (float *)mem,
@@ -931,17 +948,18 @@ int kvs_paged_attention(
 }
 
 /* The step's new keys and values into their slots: token t of k and v [n, Hkv, D] (token
- * and head strides in elements, unit stride in D) goes to page pages[t], slot offs[t]. */
+ * and head strides in elements, unit stride in D) goes to page pages[t] (a step page where
+ * <= -2: PAGE), slot offs[t]. */
 void kvs_store_kv(const void *k, int64_t k_ts, int64_t k_hs, const void *v, int64_t v_ts,
-                  int64_t v_hs, int n, int Hkv, int D, void *cache, int64_t s_page,
-                  int64_t s_kv, int64_t s_tok, int64_t s_head, const int64_t *pages,
-                  const int64_t *offs, int esize) {
-    char *c = (char *)cache;
+                  int64_t v_hs, int n, int Hkv, int D, void *cache, void *scratch,
+                  int64_t s_page, int64_t ss_page, int64_t s_kv, int64_t s_tok, int64_t s_head,
+                  const int64_t *pages, const int64_t *offs, int esize) {
     for (int t = 0; t < n; t++)
         for (int h = 0; h < Hkv; h++) {
-            const int64_t dst = (pages[t] * s_page + offs[t] * s_tok + h * s_head) * esize;
-            memcpy(c + dst, (const char *)k + (t * k_ts + h * k_hs) * esize, (size_t)D * esize);
-            memcpy(c + dst + s_kv * esize, (const char *)v + (t * v_ts + h * v_hs) * esize,
+            char *dst = PAGE((char *)cache, (char *)scratch, pages[t], s_page * esize,
+                             ss_page * esize) + (offs[t] * s_tok + h * s_head) * esize;
+            memcpy(dst, (const char *)k + (t * k_ts + h * k_hs) * esize, (size_t)D * esize);
+            memcpy(dst + s_kv * esize, (const char *)v + (t * v_ts + h * v_hs) * esize,
                    (size_t)D * esize);
         }
 }

@@ -111,9 +111,9 @@ def first_key(start: int, window: int, chunk: int = 0) -> int:
 
 class PagedAttention:
     # A windowed layer's prefill chunk reads the keys before it from pages and its own
-    # from k and v (torch's path, as SGLang's extend attention; the kernel from a copy of
-    # both, `_holed_attention`), so the memory core may page only the keys later steps
-    # read (KVCacheManager.set_window_only).
+    # from k and v (torch's path, as SGLang's extend attention) or from step pages (the
+    # kernel's: _step_tables), so the memory core may page only the keys later steps read
+    # (KVCacheManager.set_window_only).
     window_only = True
 
     def __init__(
@@ -141,7 +141,7 @@ class PagedAttention:
                                and (views[0].dtype == torch.float32
                                     or "avx512_bf16" in cpu_flags()))
         self.state_plans: dict[str, list[StateSeq]] = {}
-        self.holed: dict[tuple[str, int, int], list[int]] = {}  # _prepare_kernel's
+        self._windowed = {spec for spec, window, chunk in self._windows if window or chunk}
 
     # ----------------------------------------------------------------- prepare
 
@@ -160,7 +160,8 @@ class PagedAttention:
                              for key in self._windows if key[1:] == (0, 0)}
         pos = torch.cat([torch.arange(s.start, s.start + s.num_new) for s in seqs])
         self.state_plans = {spec: state_plan(self.seqs, spec) for spec in self.pool.states}
-        self.writes = {spec: self._write_slots(spec, pos) for spec, *_ in self._windows}
+        self._step_tables()
+        self.writes = {spec: self._write_slots(spec, pos) for spec in self.tables}
         if self.kernels:
             self._prepare_kernel(pos)
             if self._softcapped:  # those layers' decode rows take the torch path
@@ -169,30 +170,45 @@ class PagedAttention:
             self._prepare_gathers()
         return pos.to(self.device)
 
+    def _step_tables(self) -> None:
+        """Each sequence's pages per spec this step (`tables`), and the step pages of
+        each windowed spec (`scratch`, one layer's: [n, 2, T, Hkv, D]).
+
+        Where the kernel computes prefill chunks, a windowed chunk's keys that have no
+        page (window_only: no later step reads them) get a step page instead, id -2 - j
+        for scratch[j]: store_kv writes them there, and the chunk's queries read them in
+        place, in the same call as the rest (kernels/paged_attention.c's PAGE). Each
+        layer of the spec writes and reads them in turn, so one layer's worth serves the
+        step; the pool holds none of them."""
+        T, steps = self.T, self.kernels is not None and self.kernel_prefill
+        self.tables = {spec: [s.tables[spec] for s in self.seqs] for spec, *_ in self._windows}
+        self.scratch: dict[str, torch.Tensor] = {}
+        for spec in self._windowed if steps else ():
+            n, tables = 0, self.tables[spec]
+            for i, s in enumerate(self.seqs):
+                table = tables[i]
+                hi = -(-(s.start + s.num_new) // T)
+                if s.num_new == 1 or min(table[s.start // T:hi]) >= 0:
+                    continue
+                tables[i] = table = list(table)
+                for b in range(s.start // T, hi):
+                    if table[b] < 0:
+                        table[b], n = -2 - n, n + 1
+            if n:
+                page = self.pool.views[spec][0]
+                self.scratch[spec] = page.new_empty((n, *page.shape[1:]))
+
     def _prepare_kernel(self, pos: torch.Tensor) -> None:
         """The kernel path: decode rows go to the kernel, and prefill chunks too where
         kernel_prefill says so, else to SDPA over gathered pages."""
         self._prepare_prefill(chunks=not self.kernel_prefill)
-        self.holed: dict[tuple[str, int, int], list[int]] = {}
-        ranges = {key: self._key_ranges(pos, *key) for key in self._windows}
+        self.ranges = {key: self._key_ranges(pos, *key) for key in self._windows}
         self.decode_index = None
-        rows = None
         if self.prefill_rows:
             rows = [self.row_start[i] for i, s in enumerate(self.seqs) if s.num_new == 1]
-            self.decode_index = torch.tensor(rows, dtype=torch.long)
-        # Every row's key range, for the rows that read a copy (_holed_attention)
-        self.holed_keys = {key: ranges[key][2:] for key in self.holed}
-        self.main_rows: dict[tuple[str, int, int], torch.Tensor] = {}
-        for key, holed in self.holed.items():  # their rows read a copy: the rest here
-            keep = torch.ones(len(pos), dtype=torch.bool)
-            for i in holed:
-                keep[self._rows(i)] = False
-            self.main_rows[key] = keep.nonzero().flatten()
-        for key, (t, seq, lo, n) in ranges.items():
-            pick = self.decode_index if rows is not None else self.main_rows.get(key)
-            if pick is not None:
-                ranges[key] = (t, seq[pick], lo[pick], n[pick])
-        self.ranges = ranges
+            self.decode_index = pick = torch.tensor(rows, dtype=torch.long)
+            self.ranges = {key: (t, seq[pick], lo[pick], n[pick])
+                           for key, (t, seq, lo, n) in self.ranges.items()}
 
     def _prepare_prefill(self, chunks: bool = True) -> None:
         """Every sequence's first row, and (chunks) the prefill chunks, one gather each."""
@@ -234,18 +250,18 @@ class PagedAttention:
         alone: no prefill chunk through SDPA, no DistAttention shard, no softcapped layer
         (kernels/decoder.c runs such a step's layers in one call)."""
         return (self.kernels is not None and not self._softcapped and not self.spread
-                and self.decode_index is None and not self.holed)
+                and self.decode_index is None)
 
     def _write_slots(self, spec: str, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The new tokens' pages and offsets, and which rows of k and v they are (None:
         all). Only a windowed spec leaves a token without a page (window_only: no later
-        step reads its key; the chunk's own queries read it from k and v)."""
+        step reads its key; the chunk's own queries read it from k and v, or from a step
+        page where the kernel computes the chunk: _step_tables)."""
         pages = []
-        for s in self.seqs:
-            table = s.tables[spec]
+        for s, table in zip(self.seqs, self.tables[spec]):
             pages += [table[p // self.T] for p in range(s.start, s.start + s.num_new)]
         pages, offs, rows = torch.tensor(pages), pos % self.T, None
-        if bool((pages < 0).any()):
+        if bool((pages == -1).any()):  # (-2 and below: step pages)
             if not any(w or c for name, w, c in self._windows if name == spec):
                 raise RuntimeError(f"spec {spec!r}: a new token has no page")
             rows = (pages >= 0).nonzero().flatten()
@@ -258,19 +274,18 @@ class PagedAttention:
         sequence, first visible key and number of keys (int32)."""
         T, seqs = self.T, self.seqs
         rows = []
-        for i, s in enumerate(seqs):
-            table = s.tables[spec][:-(-(s.start + s.num_new) // T)]
+        for s, table in zip(seqs, self.tables[spec]):
+            table = table[:-(-(s.start + s.num_new) // T)]
             # (chunks that SDPA computes need their last row's keys here, decode rows)
             last = s.start if self.kernel_prefill else s.start + s.num_new - 1
             first = first_key(last, window, chunk) if window or chunk else s.lent
-            if min(table[first // T:]) < 0:
-                if not (self.kernel_prefill and s.num_new > 1 and (window or chunk)):
-                    raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
-                self.holed.setdefault((spec, window, chunk), []).append(i)  # window_only
+            if -1 in table[first // T:]:
+                raise RuntimeError(f"spec {spec!r}: a key inside the window has no page")
             rows.append(table)
         P = max(len(r) for r in rows)
         # Pages released before a window (-1) are never read; 0 keeps every id in bounds.
         tables = torch.tensor([r + [0] * (P - len(r)) for r in rows], dtype=torch.int32)
+        tables.masked_fill_(tables == -1, 0)
         seq = torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32),
                                       torch.tensor([s.num_new for s in seqs]))
         if chunk:
@@ -279,7 +294,7 @@ class PagedAttention:
             lo = (pos - window + 1).clamp_min(0)
         else:  # full attention: from the first key held here
             lo = torch.tensor([s.lent for s in seqs])[seq.long()]
-        return (tables.clamp_min(0), seq, lo.int(), (pos + 1 - lo).int())
+        return (tables, seq, lo.int(), (pos + 1 - lo).int())
 
     def _gather(self, group: Sequence[SeqStep], spec: str, window: int,
                 chunk: int = 0, fresh: bool = False) -> _Gather:
@@ -362,7 +377,7 @@ class PagedAttention:
         waits = [(i, self.seqs[i].remote.attend(b.index, q[self._rows(i)])) for i in spread]
         lse = torch.empty(q.shape[:2]) if spread and self.kernels else None
         if self.kernels:
-            self.kernels.store_kv(cache, kw, vw, pages, offs)
+            self.kernels.store_kv(cache, kw, vw, pages, offs, self.scratch.get(b.spec))
             out = (self._torch_attention(cache, q, key, k, v) if b.softcap is not None
                    else self._kernel_attention(cache, q, key, lse, k, v))
         else:
@@ -384,19 +399,11 @@ class PagedAttention:
                           key: tuple[str, int, int], lse: torch.Tensor | None,
                           k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Decode rows through the kernel (log-sum-exp into `lse` [rows, Hq] if given),
-        prefill chunks through SDPA."""
-        dec = self.decode_index
-        if dec is None and key in self.holed:  # (lse: spread rows are full attention's)
-            out = torch.empty_like(q)
-            main = self.main_rows[key]
-            if len(main):
-                out[main] = self.kernels.paged_attention(q[main], cache, *self.ranges[key],
-                                                         self.scale)
-            for i in self.holed[key]:
-                out[self._rows(i)] = self._holed_attention(i, cache, q, key, k, v)
-            return out
-        if dec is None:  # no prefill chunk: every row to the kernel
-            return self.kernels.paged_attention(q, cache, *self.ranges[key], self.scale, lse)
+        prefill chunks through it too or through SDPA (kernel_prefill)."""
+        dec, scratch = self.decode_index, self.scratch.get(key[0])
+        if dec is None:  # no prefill chunk for SDPA: every row to the kernel
+            return self.kernels.paged_attention(q, cache, *self.ranges[key], self.scale, lse,
+                                                scratch)
         out = torch.empty_like(q)
         if len(dec):
             part = None if lse is None else torch.empty((len(dec), q.shape[1]))
@@ -405,27 +412,6 @@ class PagedAttention:
             if lse is not None:
                 lse[dec] = part
         return self._prefill_into(out, cache, q, key, k, v)
-
-    def _holed_attention(self, i: int, cache: torch.Tensor, q: torch.Tensor,
-                         key: tuple[str, int, int], k: torch.Tensor,
-                         v: torch.Tensor) -> torch.Tensor:
-        """Sequence i's chunk through the kernel where some of its keys have no page
-        (window_only): over a one-layer copy of the pages before the chunk and the
-        chunk's own k and v, laid out as pages at the same positions."""
-        s, T, (spec, window, chunk) = self.seqs[i], self.T, key
-        first, last = first_key(s.start, window, chunk) // T, -(-(s.start + s.num_new) // T)
-        before = s.tables[spec][first:-(-s.start // T)]
-        scratch = cache.new_empty((last - first, *cache.shape[1:]))
-        if before:
-            scratch[:len(before)] = cache[torch.tensor(before)]
-        rows, pos = self._rows(i), torch.arange(s.start, s.start + s.num_new)
-        self.kernels.store_kv(scratch, k[rows], v[rows], pos // T - first, pos % T)
-        table = torch.zeros((1, last), dtype=torch.int32)
-        table[0, first:] = torch.arange(last - first, dtype=torch.int32)
-        lo, n = self.holed_keys[key]
-        return self.kernels.paged_attention(q[rows], scratch, table,
-                                            torch.zeros(len(pos), dtype=torch.int32),
-                                            lo[rows], n[rows], self.scale)
 
     def _torch_attention(self, cache: torch.Tensor, q: torch.Tensor,
                          key: tuple[str, int, int], k: torch.Tensor,
