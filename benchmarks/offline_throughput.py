@@ -6,6 +6,7 @@
     python benchmarks/offline_throughput.py step --num-prompts 100   # decode step, 100 running
     python benchmarks/offline_throughput.py capacity     # concurrent requests: jenga vs uniform
     python benchmarks/offline_throughput.py gemms --num-prompts 32   # AMX kernel vs oneDNN
+    python benchmarks/offline_throughput.py window-only --prefill 8000  # TTFT, on vs off
     add --json to print one JSON object
 
 Peers on this machine (2 cores) for the fixed workload, from the issue:
@@ -445,6 +446,21 @@ def attention(args: argparse.Namespace) -> dict:
             **spread(rounds)}
 
 
+def window_only(args: argparse.Namespace) -> dict:
+    """Time to the first token of fresh --prefill L-token prompts (default 2048) with the
+    memory core's window_only on (a sliding layer's keys no later step reads get step
+    pages, not the pool's) and off, alternating in one engine: ms, min and median of 4
+    rounds."""
+    engine = load(args, 1 << 30)
+    warm(engine)
+    setups = {"on": partial(engine.kv.set_window_only, True),
+              "off": partial(engine.kv.set_window_only, False)}
+    rounds = first_tokens(engine, args.prefill or 2048, 4, setups)
+    engine.kv.set_window_only(True)
+    return {"cpu": summary(), "dtype": str(engine.model.dtype),
+            "prefill_tokens": args.prefill or 2048, **spread(rounds)}
+
+
 def use_kernels(attn, kernels, prefill: bool) -> None:
     """The attention's kernels, and whether prefill chunks go to them (else SDPA)."""
     attn.kernels, attn.kernel_prefill = kernels, prefill
@@ -454,7 +470,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["fixed", "sharegpt", "step", "capacity", "breakdown",
-                                     "gemms", "attention"])
+                                     "gemms", "attention", "window-only"])
     ap.add_argument("--model", default=None, help="as kvserve serve's --model")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
@@ -470,10 +486,11 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="fixed: sample (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="fixed: with --temperature")
     ap.add_argument("--prefill", type=int, default=0,
-                    help="gemms, attention: time a prompt this long")
+                    help="gemms, attention, window-only: time a prompt this long")
     args = ap.parse_args()
     run = {"fixed": fixed, "sharegpt": sharegpt, "step": decode_step, "capacity": capacity,
-           "breakdown": breakdown, "gemms": gemms, "attention": attention}
+           "breakdown": breakdown, "gemms": gemms, "attention": attention,
+           "window-only": window_only}
     result = run[args.what](args)
     print(json.dumps(result, indent=2))
 
