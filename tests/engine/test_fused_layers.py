@@ -58,7 +58,7 @@ def steps(model, monkeypatch, fused: bool, ps, **kw) -> tuple[list[torch.Tensor]
     def layers(self, *args):
         out = call(self, *args) if fused else None
         ran[0] += out is not None
-        STEP_PAGES[fused] += out is not None and bool(args[2].scratch)
+        STEP_PAGES[fused] += out is not None and bool(args[2].step_pages)
         return out
 
     def record(self, h):

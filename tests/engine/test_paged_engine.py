@@ -79,7 +79,7 @@ def test_prompts_past_their_end_region_page_only_what_later_steps_read(tiny, mon
     attn, steps = eng.runner.attn, []
     step_tables = attn._step_tables
     monkeypatch.setattr(attn, "_step_tables",
-                        lambda: (step_tables(), steps.append(len(attn.scratch)))[0])
+                        lambda: (step_tables(), steps.append(len(attn.step_pages)))[0])
     ps = prompts(2, [480, 450], seed=4)
     want = reference(tiny, ps)
     assert [run(eng, [p])[0] for p in ps] == want

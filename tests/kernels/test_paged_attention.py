@@ -69,16 +69,16 @@ def test_matches_torch_attention(kernels, seed, dtype, Hkv, G, D, T, chunks, win
     # so an output may land one bf16 step (2^-8 relative) away.
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got, want, **tol)
-    # Some pages moved to step pages (ids -2 - j of `scratch`) and the pool's copies
+    # Some pages moved to step pages (ids -2 - j of `step_pages`) and the pool's copies
     # spoiled: the same output, bit for bit.
     moved = sorted({int(p) for p in padded[padded.ne(0)]})[::2]
     if moved:
-        scratch = cache[moved].clone()
+        step_pages = cache[moved].clone()
         cache[moved] = float("nan")
         ids = {p: -2 - j for j, p in enumerate(moved)}
         steps = padded.clone().apply_(lambda p: ids.get(p, p))
         assert torch.equal(kernels.paged_attention(q, cache, steps, *ints, D**-0.5,
-                                                   scratch=scratch), got)
+                                                   step_pages=step_pages), got)
 
 
 @settings(max_examples=25, deadline=None)
@@ -184,14 +184,14 @@ def test_store_kv_writes_each_token_to_its_slot(kernels, dtype):
     assert torch.equal(cache, want)
     with pytest.raises(ValueError, match="dtype"):
         kernels.store_kv(cache, k.double(), v.double(), pages, offs)
-    # Pages -2 and -3 are step pages, scratch[0] and [1]; the pool keeps what it held.
-    scratch, pool = torch.zeros(2, 2, 4, 2, 16, dtype=dtype), cache.clone()
-    kernels.store_kv(cache, k, v, torch.tensor([-3, 5, -2, -2, 1]), offs, scratch)
-    assert torch.equal(scratch[1, :, 0], want[5, :, 0])
-    assert torch.equal(scratch[0, :, 2], want[0, :, 2])
-    assert torch.equal(scratch[0, :, 1], want[3, :, 1]) and torch.equal(cache, pool)
+    # Pages -2 and -3 are step pages, steps[0] and [1]; the pool keeps what it held.
+    steps, pool = torch.zeros(2, 2, 4, 2, 16, dtype=dtype), cache.clone()
+    kernels.store_kv(cache, k, v, torch.tensor([-3, 5, -2, -2, 1]), offs, steps)
+    assert torch.equal(steps[1, :, 0], want[5, :, 0])
+    assert torch.equal(steps[0, :, 2], want[0, :, 2])
+    assert torch.equal(steps[0, :, 1], want[3, :, 1]) and torch.equal(cache, pool)
     with pytest.raises(ValueError, match="laid out"):
-        kernels.store_kv(cache, k, v, pages, offs, scratch[:, :, :2])
+        kernels.store_kv(cache, k, v, pages, offs, steps[:, :, :2])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

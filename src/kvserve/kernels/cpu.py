@@ -115,12 +115,12 @@ class AttentionView(ctypes.Structure):
     """decoder.c's kvs_view: what a kind of layer sees this step."""
     _fields_ = [("tables", _VP), ("tables_stride", _I64),
                 *((name, _VP) for name in ("seq", "lo", "n_keys", "pages", "offs", "cos", "sin",
-                                           "scratch")),
+                                           "steps")),
                 ("ss_page", _I64)]
 
     @classmethod
     def of(cls, tables: torch.Tensor, seq: torch.Tensor, lo: torch.Tensor, n_keys: torch.Tensor,
-           pages: torch.Tensor, offs: torch.Tensor, scratch: torch.Tensor | None,
+           pages: torch.Tensor, offs: torch.Tensor, step_pages: torch.Tensor | None,
            cos: torch.Tensor, sin: torch.Tensor) -> AttentionView:
         """From the tensors paged_attention and store_kv take (checked as they check them),
         and cos/signed sin [R, 1, D] in the rows' dtype."""
@@ -129,7 +129,7 @@ class AttentionView(ctypes.Structure):
                    *(_ptr(t, torch.int32, R) for t in (seq, lo, n_keys)),
                    *(_ptr(t, torch.int64, R) for t in (pages, offs)),
                    *(_ptr(t, cos.dtype, cos.numel()) for t in (cos, sin)),
-                   *_scratch(scratch))
+                   *_step_pages(step_pages))
 
 
 class CpuKernels:
@@ -146,7 +146,7 @@ class CpuKernels:
     def paged_attention(self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
                         seq: torch.Tensor, lo: torch.Tensor, n_keys: torch.Tensor,
                         scale: float, lse: torch.Tensor | None = None,
-                        scratch: torch.Tensor | None = None) -> torch.Tensor:
+                        step_pages: torch.Tensor | None = None) -> torch.Tensor:
         """Attention over pages in place, one query row at a time, or runs of 16 rows of
         one sequence as blocks (bf16 on AVX-512 BF16 builds: AMX tiles where granted,
         vdpbf16ps elsewhere; float32 on every build, the rows in vector lanes):
@@ -156,8 +156,8 @@ class CpuKernels:
         seq[r], whose pages are tables[seq[r]] (page j holds keys [j T, (j + 1) T)), and
         attends to its keys [lo[r], lo[r] + n_keys[r]) (causal and windowed masks are these
         ranges). tables, seq, lo and n_keys are contiguous int32; every page a range
-        touches must be valid: a pool page (>= 0) or a step page (p <= -2 is scratch[-2 -
-        p], `scratch` [n, 2, T, Hkv, D] contiguous: store_kv writes them). `lse`
+        touches must be valid: a pool page (>= 0) or a step page (p <= -2 is step_pages[-2
+        - p], [n, 2, T, Hkv, D] contiguous: store_kv writes them). `lse`
         (contiguous float32 [R, Hq]) receives each row's log-sum-exp of its scaled scores
         (-inf for an empty range, whose output is 0): what DistAttention merges partial
         results by.
@@ -170,7 +170,7 @@ class CpuKernels:
         out = torch.empty((R, Hq, D), dtype=q.dtype)
         rc = self.lib.kvs_paged_attention(
             q.data_ptr(), q.stride(0), q.stride(1),
-            cache.data_ptr(), *_pages(cache, scratch),
+            cache.data_ptr(), *_pages(cache, step_pages),
             _ptr(tables, torch.int32), tables.stride(0), _ptr(seq, torch.int32, R),
             _ptr(lo, torch.int32, R), _ptr(n_keys, torch.int32, R),
             R, Hq, Hkv, D, T, scale, _DTYPES[q.dtype], out.data_ptr(),
@@ -181,9 +181,9 @@ class CpuKernels:
 
     def store_kv(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  pages: torch.Tensor, offs: torch.Tensor,
-                 scratch: torch.Tensor | None = None) -> None:
+                 step_pages: torch.Tensor | None = None) -> None:
         """cache[pages[t], 0, offs[t]] = k[t] and [.., 1, ..] = v[t] for k, v [n, Hkv, D]
-        (unit stride in D); pages/offs int64 [n]; a page p <= -2 is scratch[-2 - p]
+        (unit stride in D); pages/offs int64 [n]; a page p <= -2 is step_pages[-2 - p]
         (paged_attention's step pages)."""
         n, Hkv, D = k.shape
         if (k.dtype != cache.dtype or v.dtype != k.dtype or v.shape != k.shape
@@ -192,7 +192,7 @@ class CpuKernels:
         self.lib.kvs_store_kv(
             k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
             n, Hkv, D,
-            cache.data_ptr(), *_pages(cache, scratch), _ptr(pages, torch.int64, n),
+            cache.data_ptr(), *_pages(cache, step_pages), _ptr(pages, torch.int64, n),
             _ptr(offs, torch.int64, n), k.element_size())
 
     def norm_rope(self, x: torch.Tensor, scale: torch.Tensor | None, eps: float,
@@ -489,23 +489,23 @@ class QMatmul:
         return y
 
 
-def _scratch(scratch: torch.Tensor | None) -> tuple[int | None, int]:
+def _step_pages(steps: torch.Tensor | None) -> tuple[int | None, int]:
     """Step pages' address and page stride (none: NULL, 0)."""
-    if scratch is None:
+    if steps is None:
         return None, 0
-    if not scratch.is_contiguous():
+    if not steps.is_contiguous():
         raise ValueError("step pages must be contiguous [n, 2, T, Hkv, D]")
-    return scratch.data_ptr(), scratch.stride(0)
+    return steps.data_ptr(), steps.stride(0)
 
 
-def _pages(cache: torch.Tensor, scratch: torch.Tensor | None) -> tuple[int | None, ...]:
+def _pages(cache: torch.Tensor, steps: torch.Tensor | None) -> tuple[int | None, ...]:
     """The kernels' page arguments after the pool view's address: the step pages'
     address, both page strides, the strides within a page (the step pages must share them)."""
     s_page, *inner = cache.stride()[:4]
-    if scratch is not None and (scratch.dtype != cache.dtype or scratch.shape[1:] != cache.shape[1:]
-                                or list(scratch.stride()[1:4]) != inner):
+    if steps is not None and (steps.dtype != cache.dtype or steps.shape[1:] != cache.shape[1:]
+                              or list(steps.stride()[1:4]) != inner):
         raise ValueError("step pages must be laid out as the pool's pages")
-    ptr, ss_page = _scratch(scratch)
+    ptr, ss_page = _step_pages(steps)
     return ptr, s_page, ss_page, *inner
 
 

@@ -47,7 +47,7 @@ typedef struct {
     const int32_t *seq, *lo, *n_keys;
     const int64_t *pages, *offs;
     const void *cos, *sin;
-    void *scratch;
+    void *steps;
     int64_t ss_page;
 } kvs_view;
 
@@ -59,11 +59,11 @@ void kvs_add_norm(void *x, const void *h, int n, int D, const float *w_add,
 void kvs_gelu_mul(const void *x, int n, int I, int is_bf16, void *out, int nthreads);
 void kvs_silu_mul(const void *x, int n, int I, int is_bf16, void *out, int nthreads);
 void kvs_store_kv(const void *k, int64_t k_ts, int64_t k_hs, const void *v, int64_t v_ts,
-                  int64_t v_hs, int n, int Hkv, int D, void *cache, void *scratch,
+                  int64_t v_hs, int n, int Hkv, int D, void *cache, void *steps,
                   int64_t s_page, int64_t ss_page, int64_t s_kv, int64_t s_tok, int64_t s_head,
                   const int64_t *pages, const int64_t *offs, int esize);
 int kvs_paged_attention(const void *q, int64_t q_sr, int64_t q_sh, const void *cache,
-                        const void *scratch, int64_t s_page, int64_t ss_page, int64_t s_kv,
+                        const void *steps, int64_t s_page, int64_t ss_page, int64_t s_kv,
                         int64_t s_tok, int64_t s_head, const int32_t *tables,
                         int64_t tables_stride, const int32_t *seq, const int32_t *lo,
                         const int32_t *n_keys, int R, int Hq, int Hkv, int D, int T, float scale,
@@ -95,9 +95,9 @@ int kvs_decoder_layers(const kvs_layer *layers, int L, const kvs_view *views, vo
         kvs_norm_rope(qkv, W, D, M, Hq + Hkv, D, y->w_qk, eps, v->cos, v->sin, is_bf16, qkv, W,
                       D, threads);
         kvs_store_kv(qkv + (int64_t)Hq * D * es, W, D, qkv + (int64_t)(Hq + Hkv) * D * es, W, D,
-                     M, Hkv, D, y->cache, v->scratch, y->s_page, v->ss_page, y->s_kv, y->s_tok,
+                     M, Hkv, D, y->cache, v->steps, y->s_page, v->ss_page, y->s_kv, y->s_tok,
                      y->s_head, v->pages, v->offs, (int)es);
-        if (kvs_paged_attention(qkv, W, D, y->cache, v->scratch, y->s_page, v->ss_page, y->s_kv,
+        if (kvs_paged_attention(qkv, W, D, y->cache, v->steps, y->s_page, v->ss_page, y->s_kv,
                                 y->s_tok, y->s_head, v->tables, v->tables_stride, v->seq, v->lo,
                                 v->n_keys, M, Hq, Hkv, D, T, y->scale, is_bf16, att, 0, threads))
             return 2;

@@ -22,14 +22,28 @@
 
 #include "bf16.h"
 
-/* Where page id p of a table (or a store) lies: p >= 0 is the pool's page, at cache + p
- * s_page; p <= -2 is page -2 - p of the step's scratch pages, at scratch + (-2 - p) ss_page,
- * with the pool's strides within a page. A windowed layer's keys that no later step reads get
- * no page in the pool (window_only); the prefill chunk that computes them writes them there
- * and its own queries read them there. (-1, a page released before the window, is never
- * read.) The pointers' type sets the unit of the strides. */
-#define PAGE(cache, scratch, p, s_page, ss_page) \
-    ((p) >= 0 ? (cache) + (int64_t)(p) * (s_page) : (scratch) + (int64_t)(-2 - (p)) * (ss_page))
+/* Where one layer's keys and values lie. Page id p >= 0 is the pool's page p; p <= -2 is
+ * page -2 - p of the step pages, laid out as the pool's within a page: a windowed layer's
+ * keys that no later step reads get no page in the pool (window_only), and the prefill chunk
+ * that computes them writes them there and its own queries read them there. (-1, a page
+ * released before the window, is never read.) Strides in elements of esize bytes. */
+typedef struct {
+    const char *pool, *steps;
+    int64_t s_page, ss_page, s_kv, s_tok, s_head;
+    int T, esize;
+} kv_pages;
+
+/* Slot `slot` of page p, KV head h: its key (the value is s_kv elements on). */
+static inline const char *kv_at(const kv_pages *kv, int64_t p, int64_t slot, int h) {
+    const char *page = p >= 0 ? kv->pool + p * kv->s_page * kv->esize
+                              : kv->steps + (-2 - p) * kv->ss_page * kv->esize;
+    return page + (slot * kv->s_tok + h * kv->s_head) * kv->esize;
+}
+
+/* Key k of the sequence whose pages are tbl, KV head h. */
+static inline const char *key_at(const kv_pages *kv, const int32_t *tbl, int k, int h) {
+    return kv_at(kv, tbl[k / kv->T], k % kv->T, h);
+}
 
 /* Key and value rows are prefetched this many rows ahead: a sequence's rows lie on pages
  * anywhere in the pool, and the hardware prefetcher, which follows addresses within a 4 KB
@@ -277,10 +291,8 @@ static void softmax_bf16(float *sc, int n, int G, float scale, float *lse) {
  * tiles: row r holds dims 2r, 2r + 1 of each key) and vt (per 32 keys, D / 16 tiles: row r
  * holds keys 2r, 2r + 1 of each dim). kt, vt hold npad = nk rounded up to 32 keys; past nk
  * they are zero. */
-static void pack_kv(const uint16_t *cache, const uint16_t *scratch, int64_t s_page,
-                    int64_t ss_page, int64_t s_kv, int64_t s_tok, int64_t s_head,
-                    const int32_t *tbl, int T, int h, int k0, int nk, int npad, int D,
-                    uint32_t *kt, uint16_t *vt) {
+static void pack_kv(const kv_pages *kv, const int32_t *tbl, int h, int k0, int nk, int npad,
+                    int D, uint32_t *kt, uint16_t *vt) {
 #pragma omp for schedule(static)
     for (int i = 0; i < npad; i++) {
         uint32_t *kt_tile = kt + (size_t)(i / 16) * (D / 32) * 256 + i % 16;
@@ -291,9 +303,7 @@ static void pack_kv(const uint16_t *cache, const uint16_t *scratch, int64_t s_pa
             continue;
         }
         const int k = k0 + i;
-        const uint16_t *key = PAGE(cache, scratch, tbl[k / T], s_page, ss_page) + (k % T) * s_tok
-                              + h * s_head;
-        const uint16_t *val = key + s_kv;
+        const uint16_t *key = (const uint16_t *)key_at(kv, tbl, k, h), *val = key + kv->s_kv;
         uint32_t pair;
         for (int j = 0; j < D / 2; j++) {
             memcpy(&pair, key + 2 * j, 4);
@@ -516,12 +526,10 @@ static int prefill_block(int tiles, const uint16_t *q, int64_t q_sr, int64_t q_s
 /* The rows of runs of QB rows of one sequence (bf16, D a multiple of 32), on the tiles where
  * Linux granted them; done[r] set for each row computed. Returns -1 if memory could not be
  * had. */
-static int prefill_blocks(const uint16_t *q, int64_t q_sr, int64_t q_sh, const uint16_t *cache,
-                          const uint16_t *scratch, int64_t s_page, int64_t ss_page,
-                          int64_t s_kv, int64_t s_tok, int64_t s_head,
+static int prefill_blocks(const uint16_t *q, int64_t q_sr, int64_t q_sh, const kv_pages *kv,
                           const int32_t *tables, int64_t tables_stride, const int32_t *seq,
                           const int32_t *lo, const int32_t *n_keys, int R, int Hq, int Hkv,
-                          int D, int T, float scale, uint16_t *out, float *lse, int nthreads,
+                          int D, float scale, uint16_t *out, float *lse, int nthreads,
                           uint8_t *done) {
     const int G = Hq / Hkv;
 #ifdef HAVE_AMX
@@ -548,8 +556,8 @@ static int prefill_blocks(const uint16_t *q, int64_t q_sr, int64_t q_sh, const u
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
         {
             for (int h = 0; h < Hkv; h++)
-                pack_kv(cache, scratch, s_page, ss_page, s_kv, s_tok, s_head, tbl, T, h, k0,
-                        nk, npad, D, kt + (size_t)h * npad * D / 2, vt + (size_t)h * npad * D);
+                pack_kv(kv, tbl, h, k0, nk, npad, D, kt + (size_t)h * npad * D / 2,
+                        vt + (size_t)h * npad * D);
 #ifdef HAVE_AMX
             if (tiles) kvs_amx_configure();
 #endif
@@ -841,12 +849,10 @@ static void f32_block(const float *q, int64_t q_sr, int64_t q_sh, const float *c
 
 /* The rows of runs of FB rows of one sequence (float32), done[r] set for each row computed.
  * Returns -1 if memory could not be had. */
-static int prefill_blocks_f32(const float *q, int64_t q_sr, int64_t q_sh, const float *cache,
-                              const float *scratch, int64_t s_page, int64_t ss_page,
-                              int64_t s_kv, int64_t s_tok, int64_t s_head,
+static int prefill_blocks_f32(const float *q, int64_t q_sr, int64_t q_sh, const kv_pages *kv,
                               const int32_t *tables, int64_t tables_stride, const int32_t *seq,
                               const int32_t *lo, const int32_t *n_keys, int R, int Hq, int Hkv,
-                              int D, int T, float scale, float *out, float *lse, int nthreads,
+                              int D, float scale, float *out, float *lse, int nthreads,
                               uint8_t *done) {
     const int G = Hq / Hkv;
     int failed = 0;
@@ -866,12 +872,9 @@ static int prefill_blocks_f32(const float *q, int64_t q_sr, int64_t q_sh, const 
             if (!v || !krow) {
                 failed = 1;
             } else {
-                for (int i = 0; i < span; i++) {
-                    const int k = kmin + i;
-                    krow[i] = PAGE(cache, scratch, tbl[k / T], s_page, ss_page) + (k % T) * s_tok
-                              + h * s_head;
-                }
-                f32_block(q, q_sr, q_sh, krow, s_kv, kmin, span, lo, n_keys, r0, h, G, Hq, D,
+                for (int i = 0; i < span; i++)
+                    krow[i] = (const float *)key_at(kv, tbl, kmin + i, h);
+                f32_block(q, q_sr, q_sh, krow, kv->s_kv, kmin, span, lo, n_keys, r0, h, G, Hq, D,
                           scale, v, out, lse);
             }
             free(v);
@@ -884,28 +887,28 @@ static int prefill_blocks_f32(const float *q, int64_t q_sr, int64_t q_sh, const 
 }
 
 /* Strides are in elements. Row r of q belongs to sequence seq[r], whose page j (keys
- * [j T, (j + 1) T)) is tables[seq[r] * tables_stride + j] (a step page where <= -2: PAGE).
+ * [j T, (j + 1) T)) is tables[seq[r] * tables_stride + j] (a step page where <= -2: kv_pages).
  * out is contiguous [R, Hq, D];
  * lse, if not NULL, contiguous float32 [R, Hq] (each row's log-sum-exp of scaled scores).
  * Returns 0, or -1 if scratch memory could not be had. */
 int kvs_paged_attention(
     const void *q, int64_t q_sr, int64_t q_sh,
-    const void *cache, const void *scratch, int64_t s_page, int64_t ss_page, int64_t s_kv,
+    const void *cache, const void *steps, int64_t s_page, int64_t ss_page, int64_t s_kv,
     int64_t s_tok, int64_t s_head, const int32_t *tables, int64_t tables_stride,
     const int32_t *seq, const int32_t *lo, const int32_t *n_keys, int R, int Hq, int Hkv,
     int D, int T, float scale, int is_bf16, void *out, float *lse, int nthreads)
 {
     const int G = Hq / Hkv;
     const size_t esize = is_bf16 ? 2 : 4;
+    const kv_pages kv = {cache, steps, s_page, ss_page, s_kv, s_tok, s_head, T, (int)esize};
     int failed = 0;
     uint8_t *done = NULL; /* rows the blocks computed */
 #ifdef HAVE_BLOCKED_PREFILL
     if (is_bf16 && D % 32 == 0 && R >= QB) {
         done = calloc((size_t)R, 1);
-        if (!done || prefill_blocks((const uint16_t *)q, q_sr, q_sh, (const uint16_t *)cache,
-                                    (const uint16_t *)scratch, s_page, ss_page, s_kv, s_tok,
-                                    s_head, tables, tables_stride, seq, lo, n_keys, R, Hq, Hkv,
-                                    D, T, scale, (uint16_t *)out, lse, nthreads, done)) {
+        if (!done || prefill_blocks((const uint16_t *)q, q_sr, q_sh, &kv, tables, tables_stride,
+                                    seq, lo, n_keys, R, Hq, Hkv, D, scale, (uint16_t *)out, lse,
+                                    nthreads, done)) {
             free(done);
             return -1;
         }
@@ -913,10 +916,9 @@ int kvs_paged_attention(
 #endif
     if (!is_bf16 && R >= FB && G <= FG) {
         done = calloc((size_t)R, 1);
-        if (!done || prefill_blocks_f32((const float *)q, q_sr, q_sh, (const float *)cache,
-                                        (const float *)scratch, s_page, ss_page, s_kv, s_tok,
-                                        s_head, tables, tables_stride, seq, lo, n_keys, R, Hq,
-                                        Hkv, D, T, scale, (float *)out, lse, nthreads, done)) {
+        if (!done || prefill_blocks_f32((const float *)q, q_sr, q_sh, &kv, tables,
+                                        tables_stride, seq, lo, n_keys, R, Hq, Hkv, D, scale,
+                                        (float *)out, lse, nthreads, done)) {
             free(done);
             return -1;
         }
@@ -931,12 +933,7 @@ int kvs_paged_attention(
         if (!mem) { failed = 1; continue; }
         const char **keys = (const char **)(mem + floats * sizeof(float)), **vals = keys + n;
         const int32_t *tbl = tables + (size_t)seq[r] * tables_stride;
-        for (int i = 0; i < n; i++) {
-            const int k = first + i;
-            keys[i] = PAGE((const char *)cache, (const char *)scratch, tbl[k / T],
-                           s_page * (int64_t)esize, ss_page * (int64_t)esize)
-                      + ((k % T) * s_tok + h * s_head) * esize;
-        }
+        for (int i = 0; i < n; i++) keys[i] = key_at(&kv, tbl, first + i, h);
         attend((const char *)q + ((size_t)r * q_sr + (size_t)h * G * q_sh) * esize, q_sh,
                keys, vals, s_kv * (int64_t)esize, n, G, D, scale, is_bf16, (float *)mem,
                (char *)out + ((size_t)r * Hq + (size_t)h * G) * D * esize,
@@ -949,15 +946,15 @@ int kvs_paged_attention(
 
 /* The step's new keys and values into their slots: token t of k and v [n, Hkv, D] (token
  * and head strides in elements, unit stride in D) goes to page pages[t] (a step page where
- * <= -2: PAGE), slot offs[t]. */
+ * <= -2: kv_pages), slot offs[t]. */
 void kvs_store_kv(const void *k, int64_t k_ts, int64_t k_hs, const void *v, int64_t v_ts,
-                  int64_t v_hs, int n, int Hkv, int D, void *cache, void *scratch,
+                  int64_t v_hs, int n, int Hkv, int D, void *cache, void *steps,
                   int64_t s_page, int64_t ss_page, int64_t s_kv, int64_t s_tok, int64_t s_head,
                   const int64_t *pages, const int64_t *offs, int esize) {
+    const kv_pages kv = {cache, steps, s_page, ss_page, s_kv, s_tok, s_head, 1, esize};
     for (int t = 0; t < n; t++)
         for (int h = 0; h < Hkv; h++) {
-            char *dst = PAGE((char *)cache, (char *)scratch, pages[t], s_page * esize,
-                             ss_page * esize) + (offs[t] * s_tok + h * s_head) * esize;
+            char *dst = (char *)kv_at(&kv, pages[t], offs[t], h);
             memcpy(dst, (const char *)k + (t * k_ts + h * k_hs) * esize, (size_t)D * esize);
             memcpy(dst + s_kv * esize, (const char *)v + (t * v_ts + h * v_hs) * esize,
                    (size_t)D * esize);

@@ -73,7 +73,7 @@ class FusedLayers:
         if local[0].shape[-1] != plan.dims[2]:  # RoPE on part of each head (Bamba)
             return None
         views = (AttentionView * len(plan.views))(*(
-            AttentionView.of(*attn.ranges[k], *attn.writes[k[0]][:2], attn.scratch.get(k[0]),
+            AttentionView.of(*attn.ranges[k], *attn.writes[k[0]][:2], attn.step_pages.get(k[0]),
                              *(local if sliding else glob))
             for k, sliding in plan.views))
         return kernels.decoder_layers(plan.layers, views, x, plan.dims, plan.eps, plan.w_out)

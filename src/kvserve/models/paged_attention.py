@@ -172,17 +172,17 @@ class PagedAttention:
 
     def _step_tables(self) -> None:
         """Each sequence's pages per spec this step (`tables`), and the step pages of
-        each windowed spec (`scratch`, one layer's: [n, 2, T, Hkv, D]).
+        each windowed spec (`step_pages`, one layer's: [n, 2, T, Hkv, D]).
 
         Where the kernel computes prefill chunks, a windowed chunk's keys that have no
         page (window_only: no later step reads them) get a step page instead, id -2 - j
-        for scratch[j]: store_kv writes them there, and the chunk's queries read them in
-        place, in the same call as the rest (kernels/paged_attention.c's PAGE). Each
+        for step_pages[j]: store_kv writes them there, and the chunk's queries read them in
+        place, in the same call as the rest (kernels/paged_attention.c's kv_pages). Each
         layer of the spec writes and reads them in turn, so one layer's worth serves the
         step; the pool holds none of them."""
         T, steps = self.T, self.kernels is not None and self.kernel_prefill
         self.tables = {spec: [s.tables[spec] for s in self.seqs] for spec, *_ in self._windows}
-        self.scratch: dict[str, torch.Tensor] = {}
+        self.step_pages: dict[str, torch.Tensor] = {}
         for spec in self._windowed if steps else ():
             n, tables = 0, self.tables[spec]
             for i, s in enumerate(self.seqs):
@@ -196,7 +196,7 @@ class PagedAttention:
                         table[b], n = -2 - n, n + 1
             if n:
                 page = self.pool.views[spec][0]
-                self.scratch[spec] = page.new_empty((n, *page.shape[1:]))
+                self.step_pages[spec] = page.new_empty((n, *page.shape[1:]))
 
     def _prepare_kernel(self, pos: torch.Tensor) -> None:
         """The kernel path: decode rows go to the kernel, and prefill chunks too where
@@ -377,7 +377,7 @@ class PagedAttention:
         waits = [(i, self.seqs[i].remote.attend(b.index, q[self._rows(i)])) for i in spread]
         lse = torch.empty(q.shape[:2]) if spread and self.kernels else None
         if self.kernels:
-            self.kernels.store_kv(cache, kw, vw, pages, offs, self.scratch.get(b.spec))
+            self.kernels.store_kv(cache, kw, vw, pages, offs, self.step_pages.get(b.spec))
             out = (self._torch_attention(cache, q, key, k, v) if b.softcap is not None
                    else self._kernel_attention(cache, q, key, lse, k, v))
         else:
@@ -400,10 +400,10 @@ class PagedAttention:
                           k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Decode rows through the kernel (log-sum-exp into `lse` [rows, Hq] if given),
         prefill chunks through it too or through SDPA (kernel_prefill)."""
-        dec, scratch = self.decode_index, self.scratch.get(key[0])
+        dec, steps = self.decode_index, self.step_pages.get(key[0])
         if dec is None:  # no prefill chunk for SDPA: every row to the kernel
             return self.kernels.paged_attention(q, cache, *self.ranges[key], self.scale, lse,
-                                                scratch)
+                                                steps)
         out = torch.empty_like(q)
         if len(dec):
             part = None if lse is None else torch.empty((len(dec), q.shape[1]))
