@@ -887,10 +887,10 @@ static int prefill_blocks_f32(const float *q, int64_t q_sr, int64_t q_sh, const 
 }
 
 /* Strides are in elements. Row r of q belongs to sequence seq[r], whose page j (keys
- * [j T, (j + 1) T)) is tables[seq[r] * tables_stride + j] (a step page where <= -2: kv_pages).
- * out is contiguous [R, Hq, D];
- * lse, if not NULL, contiguous float32 [R, Hq] (each row's log-sum-exp of scaled scores).
- * Returns 0, or -1 if scratch memory could not be had. */
+ * [j T, (j + 1) T)) is tables[seq[r] * tables_stride + j] (a step page where <= -2:
+ * kv_pages). out is contiguous [R, Hq, D]; lse, if not NULL, contiguous float32 [R, Hq]
+ * (each row's log-sum-exp of scaled scores). Returns 0, or -1 if scratch memory could not
+ * be had. */
 int kvs_paged_attention(
     const void *q, int64_t q_sr, int64_t q_sh,
     const void *cache, const void *steps, int64_t s_page, int64_t ss_page, int64_t s_kv,
