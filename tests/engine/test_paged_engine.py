@@ -7,6 +7,8 @@ happen within a few tokens, so many variants run in seconds.
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_gemma import VOCAB, ByteTokenizer, tiny_gemma
 
 from kvserve.engine.engine import EngineConfig, LLMEngine
@@ -90,6 +92,17 @@ def test_prompts_past_their_end_region_page_only_what_later_steps_read(tiny, mon
     assert len(got) == len(ref)
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(270, 490), min_size=1, max_size=3),
+       budget=st.integers(40, 300), T=st.sampled_from([1, 4, 16]), seed=st.integers(0, 99))
+def test_step_pages_wherever_steps_cut_the_prompts(tiny, lengths, budget, T, seed):
+    """window_only's step pages at any chunk boundaries (a chunk starting inside a page,
+    several prompts' chunks in one step, decode rows beside them): the reference's tokens."""
+    ps = prompts(len(lengths), lengths, seed=seed)
+    eng = engine(tiny, kv_memory=4 << 20, max_num_batched_tokens=budget, tokens_per_page=T)
+    assert run(eng, ps, max_tokens=4) == reference(tiny, ps, max_tokens=4)
 
 
 @pytest.mark.parametrize("torch_attention", [False, True])
