@@ -48,13 +48,13 @@ class RowByRow:
     def __getattr__(self, name: str):  # every other entry point as the build has it
         return getattr(self.kernels, name)
 
-    def paged_attention(self, q, cache, tables, seq, lo, n, scale, lse=None):
+    def paged_attention(self, q, cache, tables, seq, lo, n, scale, lse=None, step_pages=None):
         parts = []
         for a in range(0, q.shape[0], 15):
             rows = slice(a, a + 15)
             part = None if lse is None else lse[rows]
             parts.append(self.kernels.paged_attention(q[rows], cache, tables, seq[rows], lo[rows],
-                                                      n[rows], scale, part))
+                                                      n[rows], scale, part, step_pages))
             if lse is not None:
                 lse[rows] = part
         return torch.cat(parts)

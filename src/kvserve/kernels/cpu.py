@@ -122,8 +122,10 @@ class AttentionView(ctypes.Structure):
     def of(cls, tables: torch.Tensor, seq: torch.Tensor, lo: torch.Tensor, n_keys: torch.Tensor,
            pages: torch.Tensor, offs: torch.Tensor, step_pages: torch.Tensor | None,
            cos: torch.Tensor, sin: torch.Tensor) -> AttentionView:
-        """From the tensors paged_attention and store_kv take (checked as they check them),
-        and cos/signed sin [R, 1, D] in the rows' dtype."""
+        """From the tensors paged_attention and store_kv take (checked as they check them,
+        but the step pages only for contiguity: no cache here to hold their layout against;
+        PagedAttention makes them from the pool's own view), and cos/signed sin [R, 1, D]
+        in the rows' dtype."""
         R = seq.numel()
         return cls(_ptr(tables, torch.int32), tables.stride(0),
                    *(_ptr(t, torch.int32, R) for t in (seq, lo, n_keys)),
