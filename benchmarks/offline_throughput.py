@@ -455,10 +455,11 @@ def window_only(args: argparse.Namespace) -> dict:
     warm(engine)
     setups = {"on": partial(engine.kv.set_window_only, True),
               "off": partial(engine.kv.set_window_only, False)}
-    rounds = first_tokens(engine, args.prefill or 2048, 4, setups)
+    length = args.prefill or 2048
+    rounds = first_tokens(engine, length, 4, setups)
     engine.kv.set_window_only(True)
-    return {"cpu": summary(), "dtype": str(engine.model.dtype),
-            "prefill_tokens": args.prefill or 2048, **spread(rounds)}
+    return {"cpu": summary(), "dtype": str(engine.model.dtype), "prefill_tokens": length,
+            **spread(rounds)}
 
 
 def use_kernels(attn, kernels, prefill: bool) -> None:

@@ -421,6 +421,11 @@ class TextStream(SpecManager):
         r.tables[self.s] = [NO_PAGE] * first + pids
         r.released[self.s] = first
 
+    @property
+    def _unpaged_keys(self) -> bool:
+        """Whether some of a step's keys may get no page: window_only, a windowed spec."""
+        return self.window_only and self.spec.kind is not LayerKind.FULL
+
     def _written(self, r: RequestKV, upto: int) -> list[bool] | None:
         """For r's new blocks up to token `upto`: whether each gets a page (None: all).
 
@@ -431,7 +436,7 @@ class TextStream(SpecManager):
         holds more than a window of pages per layer outside its reuse points:
         Gemma 3 12B's 40 sliding layers hold 1K tokens of a 20K-token prompt.
         """
-        if not self.window_only or self.spec.kind is LayerKind.FULL:
+        if not self._unpaged_keys:
             return None
         lo, hi = len(r.tables[self.s]), -(-upto // self.T)
         keep = max(lo, min(hi, self.window_start(upto) // self.T))
@@ -448,7 +453,7 @@ class TextStream(SpecManager):
         return sum(written)
 
     def early_pages(self, r: RequestKV) -> list[int]:
-        if not self.window_only or self.spec.kind is LayerKind.FULL:
+        if not self._unpaged_keys:
             return []
         lo, hi = -(-r.num_computed // self.T), self.window_start(r.num_alloc) // self.T
         return [p for p in r.tables[self.s][lo:hi] if p != NO_PAGE]

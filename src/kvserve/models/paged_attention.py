@@ -262,7 +262,7 @@ class PagedAttention:
             pages += [table[p // self.T] for p in range(s.start, s.start + s.num_new)]
         pages, offs, rows = torch.tensor(pages), pos % self.T, None
         if bool((pages == -1).any()):  # (-2 and below: step pages)
-            if not any(w or c for name, w, c in self._windows if name == spec):
+            if spec not in self._windowed:
                 raise RuntimeError(f"spec {spec!r}: a new token has no page")
             rows = (pages >= 0).nonzero().flatten()
             pages, offs, rows = pages[rows], offs[rows], rows.to(self.device)
