@@ -6,7 +6,8 @@
 
 The hit rate is prompt tokens served from the prefix cache at each request's
 first admission over all prompt tokens: `prefix_hits.simulate`, whose rows add
-the bounds and both policies; TTFT mean and p99 in seconds.
+the bounds and both policies; TTFT mean and p99 in seconds; when the last request
+finished; how many requests waited at a step (most, mean over steps).
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ def main() -> None:
     args = ap.parse_args()
     _, res, hit = simulate(load_trace(args.trace), args.policy, args)
     s = summary(res)
+    waiting = [step.waiting for step in res.steps]
     print(f"{args.policy} {args.trace} {args.model}: hit {hit:.1%}, "
-          f"TTFT mean {s['mean_ttft_s']:.2f} s, p99 {s['p99_ttft_s']:.2f} s")
+          f"TTFT mean {s['mean_ttft_s']:.2f} s, p99 {s['p99_ttft_s']:.2f} s, "
+          f"end {res.clock:.1f} s, queue max {max(waiting, default=0)} / "
+          f"mean {sum(waiting) / max(1, len(waiting)):.1f}")
 
 
 if __name__ == "__main__":
