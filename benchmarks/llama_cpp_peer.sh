@@ -3,6 +3,8 @@
 # 32 prompts x 128 tokens, 128 greedy output tokens, batch 1 and batch 32, 2 threads.
 #
 #     bash benchmarks/llama_cpp_peer.sh [workdir]
+#     LLAMA_ISA=avx2 bash benchmarks/llama_cpp_peer.sh   # AVX2/FMA/F16C code only, as on an
+#                                                        # AVX2-only CPU (beside KVSERVE_CPU_FLAGS)
 #
 # Debian 12 has no llama.cpp package and this machine reaches only PyPI, Debian and npm,
 # so the source comes from llama-cpp-python's sdist on PyPI (it vendors llama.cpp), built
@@ -17,7 +19,10 @@ src=llama_cpp_python-$version/vendor/llama.cpp
 # threads (ggml's tinygemm_kernel_amx, `tilezero`; seen on the project's Intel Xeon VM):
 # there it is built for the CPU's AVX-512 features without AMX.
 build=build isa=(-DGGML_NATIVE=ON)
-if grep -qw amx_tile /proc/cpuinfo; then
+if [ "${LLAMA_ISA:-native}" = avx2 ]; then
+  build=build-avx2
+  isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
+elif grep -qw amx_tile /proc/cpuinfo; then
   build=build-noamx
   isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
        -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON)

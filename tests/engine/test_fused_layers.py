@@ -16,6 +16,7 @@ from tiny_gemma import tiny_gemma
 
 from kvserve.cpu_features import bf16_native
 from kvserve.kernels.cpu import AttentionView, DecoderLayer, Projection, cpu_kernels
+from kvserve.models import quant
 from kvserve.models.base import CausalLM
 from kvserve.models.fused_layers import FusedLayers
 from kvserve.models.llama import LlamaConfig, LlamaForCausalLM
@@ -84,7 +85,8 @@ SETUPS = [
 STEP_PAGES = {True: 0, False: 0}  # fused steps that had step pages
 
 
-MODES = [(torch.float32, "q8"), (torch.bfloat16, "q8"), (torch.bfloat16, "q8+bf16"),
+MODES = [(torch.float32, "q8"), (torch.float32, "q8+fp16"), (torch.bfloat16, "q8"),
+         (torch.bfloat16, "q8+bf16"),
          (torch.bfloat16, "q8+int8"), (torch.bfloat16, "none")]
 
 
@@ -100,12 +102,16 @@ def test_fused_steps_equal_the_modules_bitwise(family, dtype, mode, kw, monkeypa
     n, lengths = kw.pop("n", 6), kw.pop("lengths", LENGTHS * 4)
     ps = prompts(n, lengths[:n])
     ps += [ps[0] + [7, 8, 9]]  # a prefix hit on the first prompt
+    # q8+fp16: fbgemm's copy (no kernel of ours: the modules' path) from 9 rows
+    monkeypatch.setattr(quant, "fp16_small", lambda n, k: 8)
     model = tiny(dtype, mode, family)
     want, _, tokens = steps(model, monkeypatch, False, ps, **kw)
     STEP_PAGES[True] = 0
     got, ran, fused_tokens = steps(model, monkeypatch, True, ps, **kw)
-    assert ran == len(got) == len(want)
-    assert (STEP_PAGES[True] > 0) == (lengths[0] > 256)
+    assert len(got) == len(want)
+    assert ran == len(got) if mode != "q8+fp16" else 0 < ran <= len(got)
+    # (q8+fp16 runs the 200-row steps that take step pages on the modules' path)
+    assert (STEP_PAGES[True] > 0) == (lengths[0] > 256 and mode != "q8+fp16")
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert fused_tokens == tokens
     # one plan per row count below the projections' large copies, one for all above

@@ -16,9 +16,12 @@ from kvserve.models.quant import (
     I8Linear,
     Q5Linear,
     Q8Bf16Linear,
+    Q8Fp16Linear,
     Q8I8Linear,
     Q8Linear,
+    dequantized,
     fbgemm_available,
+    q8_blocks,
     quantized,
     resolve_quantization,
     serves_i8_head,
@@ -81,9 +84,9 @@ def test_q8_serves_a_q5_0_weight_in_its_own_blocks() -> None:
 
 def test_auto_keeps_what_the_file_ships_without_losing_quality() -> None:
     kernels = cpu_kernels() is not None
-    assert resolve_quantization("auto", CPU, GGUF_TYPES) == ("q8" if kernels else "fp16")
+    assert resolve_quantization("auto", CPU, GGUF_TYPES) == ("q8+fp16" if kernels else "fp16")
     bf16 = "q8+bf16" if kernels else "none"
-    expect = bf16 if bf16_native() else "q8" if kernels else "fp16"
+    expect = bf16 if bf16_native() else "q8+fp16" if kernels else "fp16"
     assert resolve_quantization("auto", CPU, GGUF_TYPES, torch.bfloat16) == expect
     assert resolve_quantization("auto", CPU, ["F32"]) == "none"
     assert resolve_quantization("auto", CPU, []) == "none"
@@ -110,6 +113,50 @@ def test_q8_bf16_reads_q8_for_a_few_rows_and_bf16_for_batches() -> None:
             assert not torch.equal(got, q8(x))
     assert hybrid(torch.randn(0, 640)).shape == (0, 300)
     assert hybrid.nbytes() == q8.nbytes() + 300 * 640 * 2
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="q8+fp16 needs the C kernels")
+def test_q8_fp16_reads_q8_for_a_few_rows_and_fp16_for_batches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvserve.models.quant as quant
+
+    monkeypatch.setattr(quant, "fp16_small", lambda n, k: 8)  # as if fp16 won from 16 rows
+    torch.manual_seed(0)
+    w = torch.randn(300, 640) * 0.05
+    hybrid, q8 = quantized(w, "q8+fp16"), quantized(w, "q8")
+    assert isinstance(hybrid, Q8Fp16Linear) and hybrid.SMALL == 8
+    w8 = dequantized(q8).half().float()  # the values both copies compute with
+    for rows in (1, 8, 9, 64):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, 640).to(dtype)
+            got = hybrid(x)
+            assert got.dtype == dtype and got.shape == (rows, 300)
+            if rows <= hybrid.SMALL:  # the Q8_0 copy: exactly what q8 alone gives
+                assert torch.equal(got, q8(x))
+            else:  # fbgemm's fp16 GEMM over the Q8_0 copy's values
+                assert torch.equal(got, hybrid.fp16(x)) and not torch.equal(got, q8(x))
+                want = x.float() @ w8.T
+                assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert hybrid(torch.randn(0, 640)).shape == (0, 300)
+    assert hybrid.nbytes() == q8.nbytes() + 300 * 640 * 2
+    assert hybrid.packed_state().keys() == q8.packed_state().keys()  # saved as q8 is
+    # A shape where fp16 is no faster on this CPU keeps its Q8_0 copy alone.
+    monkeypatch.setattr(quant, "fp16_small", lambda n, k: None)
+    assert isinstance(quantized(w, "q8+fp16"), Q8Linear)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="block copies need the C kernels")
+def test_dequantized_gives_back_the_values_the_blocks_hold() -> None:
+    torch.manual_seed(0)
+    q, d = q8_blocks(torch.randn(300, 640) * 0.05)
+    w8 = (q.float().view(300, 20, 32) * d[..., None]).view(300, 640)  # on the Q8_0 grid
+    # Three chunks, the last one short; only the scales' float32 rounding may differ.
+    assert torch.allclose(dequantized(Q8Linear(w8), chunk=128), w8, rtol=1e-6, atol=0)
+    if serves_q5():
+        w5 = q5_dequantize(*q5_blocks(w8))
+        q5 = quantized(w5, "q8")
+        assert isinstance(q5, Q5Linear)
+        assert torch.allclose(dequantized(q5, chunk=128), w5, rtol=1e-6, atol=0)
 
 
 @pytest.mark.skipif(bf16_native(), reason="this CPU computes bf16 natively")
@@ -184,7 +231,7 @@ def test_real_model_quantized_predicts_like_float32(kv: KvModel) -> None:
     ids = kv.tokenizer(ledger_text(12)).input_ids[:120]
     want = predictions(kv.model, ids)
     agreement = {}
-    for mode in ("q8", "fp16", "int8") + (("q8+int8",) if vnni() else ()):
+    for mode in ("q8", "q8+fp16", "fp16", "int8") + (("q8+int8",) if vnni() else ()):
         model = Gemma3ForCausalLM.from_state_dict(kv.config, dict(kv.state_dict))
         held = model.quantize(mode)
         assert model.model.layers[0].mlp.down_proj.weight.is_meta  # float copy dropped
@@ -192,13 +239,15 @@ def test_real_model_quantized_predicts_like_float32(kv: KvModel) -> None:
         # Where serves_i8_head, the head has q8+int8's second copy (int8 blocks: 1.125 bytes
         # a weight) in every q8 mode.
         second = 1.13 * head.numel() if serves_i8_head(mode, head.shape[0]) else 0
-        assert held <= second + {"q8": 1.13, "fp16": 2, "int8": 1.1, "q8+int8": 2.3}[mode] * sum(
+        assert held <= second + {"q8": 1.13, "q8+fp16": 3.13, "fp16": 2, "int8": 1.1,
+                                 "q8+int8": 2.3}[mode] * sum(
             w.numel() for n, w in kv.state_dict.items() if n.endswith("proj.weight")
             or n == "model.embed_tokens.weight")
         agreement[mode] = float((predictions(model, ids) == want).float().mean())
     # Measured 98.8% (q8), 99.98% (fp16) and 82.6% (int8) on ShareGPT text
     # (benchmarks/quant_quality.py); a wrong scale or layout agrees on almost nothing.
     assert agreement["fp16"] >= 0.98 and agreement["q8"] >= 0.97, agreement
+    assert agreement["q8+fp16"] >= 0.97, agreement
     assert agreement["int8"] >= 0.6, agreement
     # q8+int8 (whole texts at once: its int8 copy) measured 97.4% there.
     assert agreement.get("q8+int8", 1.0) >= 0.95, agreement

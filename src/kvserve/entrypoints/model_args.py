@@ -17,12 +17,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 where the device computes it natively, else float32")
     p.add_argument("--quantization", default="auto",
                    # = quant.QUANTIZATIONS, written out: parsing arguments imports no torch
-                   choices=["auto", "none", "q8", "q8+bf16", "q8+int8", "fp16", "int8"],
+                   choices=["auto", "none", "q8", "q8+fp16", "q8+bf16", "q8+int8", "fp16",
+                            "int8"],
                    help="weights: auto keeps roughly what the file ships for a quantized "
-                        "GGUF on a CPU (q8; q8+bf16 where bf16 runs natively: Q8_0 for "
-                        "decode, bf16 for batches); q8+int8 (VNNI CPUs, on request) int8 "
-                        "blocks for batches: faster, a little less exact; none serves them "
-                        "in --dtype")
+                        "GGUF on a CPU (q8+bf16 where bf16 runs natively: Q8_0 for "
+                        "decode, bf16 for batches; else q8+fp16: Q8_0, and fp16 for "
+                        "the batches this CPU runs faster so); q8 keeps Q8_0 alone; "
+                        "q8+int8 (VNNI CPUs, on request) int8 blocks for batches: faster, "
+                        "a little less exact; none serves them in --dtype")
     p.add_argument("--kv-backend", default="paged", choices=["paged", "vtensor"],
                    help="where KV data lives: paged (one pool of pages, paged attention) or "
                         "vtensor (per-request contiguous virtual tensors, plain SDPA; CPU)")

@@ -46,7 +46,7 @@ from kvserve.models.layers import Linear
 from kvserve.models.quant import from_packed, layer_mode, serves_i8_head, serves_q5
 
 FORMAT = 2  # bump when what the file holds changes (2: the CRC in file order)
-MODES = ("q8", "q8+bf16", "q8+int8")
+MODES = ("q8", "q8+fp16", "q8+bf16", "q8+int8")
 HEAD = "tied_head"  # the key prefix of a tied embedding's packed head
 # The header's CRC is written once the data is (the file's order of the tensors is
 # safetensors'): a fixed-width placeholder, overwritten in place, so that nothing moves.

@@ -1,4 +1,4 @@
-"""Packed weights for CPU serving: q8 (our Q8_0 kernel), q8+bf16, fp16, int8.
+"""Packed weights for CPU serving: q8 (our Q8_0 kernel), q8+fp16, q8+bf16, fp16, int8.
 
 A GGUF ships its linear weights quantized (Gemma 3 270M Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0);
 running them as float32 reads 2-8x more bytes per token than llama.cpp does, and a decode
@@ -18,6 +18,10 @@ re-quantized from the GGUF's dequantized values.
   perplexity 8.051 -> 8.056 (whole texts through the batched kernel). A weight the file
   ships as Q5_0 (Gemma 3 270M Q4_K_M: q/k/v, gate, up) keeps its own Q5_0 blocks instead
   where the CPU has AVX-512BW (Q5Linear, 0.6875 bytes a weight, no rounding at all).
+- q8+fp16 (the default on CPUs without native bf16, and for float32 models): the q8 copy
+  for steps of up to the row count from which fbgemm's fp16 GEMM runs the weight's shape
+  faster on this CPU (models/calibrate.py: timed once per CPU and kept), an fp16 copy of
+  the Q8_0 values above; a shape where fp16 is not faster keeps q8 alone.
 - q8+bf16 (the default where bf16 runs natively, for a bf16 model): the q8 copy for steps
   of up to 8 rows (4 with AMX), and a packed bf16 copy (every weight rounded to bf16,
   activations too; Bf16Gemm: our kernel on AMX's tiles or AVX-512 BF16 vectors, else
@@ -41,6 +45,7 @@ Norms, RoPE, attention, the residual stream and the KV cache keep the model's dt
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Container
 from concurrent.futures import ThreadPoolExecutor
@@ -50,8 +55,9 @@ from torch import nn
 
 from kvserve.cpu_features import bf16_native, cpu_flags
 from kvserve.kernels.cpu import CpuKernels, QMatmul, cpu_kernels
+from kvserve.models.calibrate import fp16_small
 
-QUANTIZATIONS = ("auto", "none", "q8", "q8+bf16", "q8+int8", "fp16", "int8")
+QUANTIZATIONS = ("auto", "none", "q8", "q8+fp16", "q8+bf16", "q8+int8", "fp16", "int8")
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 
 
@@ -69,8 +75,9 @@ def resolve_quantization(mode: str, device: torch.device, source_types: list[str
     "auto" keeps roughly what the file ships at no cost in quality, for a quantized GGUF on
     a CPU: where the CPU computes bf16 natively and the model runs in bf16, q8+bf16 (Q8_0
     for steps of a few tokens, which read the weights 1.8x fewer bytes; oneDNN's bf16 GEMM
-    from 17 rows, which it computes faster than our kernel); elsewhere q8 (Q8_0 blocks read
-    by our kernel at every step size) where the C kernels build, else fp16. none for float
+    from 17 rows, which it computes faster than our kernel); elsewhere q8+fp16 (Q8_0 blocks
+    read by our kernel, and fbgemm's fp16 for the steps and shapes it runs faster on this
+    CPU) where the C kernels build, else fp16. none for float
     checkpoints and on GPUs. int8 is faster at large batches but loses quality (82.6% top-1
     agreement on Gemma 3 270M): only on request.
     """
@@ -82,7 +89,7 @@ def resolve_quantization(mode: str, device: torch.device, source_types: list[str
             return "none"
         if bf16_native() and dtype == torch.bfloat16:
             return "q8+bf16" if cpu_kernels() is not None else "none"
-        return "q8" if cpu_kernels() is not None else "fp16"
+        return "q8+fp16" if cpu_kernels() is not None else "fp16"
     if mode != "none" and device.type != "cpu":
         raise ValueError(f"quantization {mode} runs on CPUs (fbgemm); use none on GPUs")
     if mode != "none" and not fbgemm_available():
@@ -432,6 +439,61 @@ class Q8Bf16Linear(SplitLinear):
         return self.q8.nbytes() + self.out_features * self.in_features * 2
 
 
+def dequantized(blocks: BlockLinear, chunk: int = 16384) -> torch.Tensor:
+    """The float32 weight [N, K] a block copy holds: identity rows through its own kernel
+    (x @ W.T for x = I is W.T; each product is one weight times one, so nothing but the
+    scales' float32 rounding enters), `chunk` output rows at a time."""
+    n, k = blocks.out_features, blocks.in_features
+    parts, eye = blocks.packed_state(), torch.eye(k)
+    out = torch.empty(n, k)
+    for n0 in range(0, n, chunk):
+        rows = type(blocks).from_packed(*(v[n0:n0 + chunk] for v in parts.values()), k)
+        out[n0:n0 + chunk] = rows(eye).T
+    return out
+
+
+class Q8Fp16Linear(SplitLinear):
+    """Q8_0 (or a file's own Q5_0 blocks) for steps of up to SMALL rows, fbgemm's fp16 GEMM
+    above, where this CPU runs it faster for the weight's shape (calibrate.fp16_small: on a
+    Zen 5 held to AVX2 code, 1.25-2.1x from 16 rows; on the AVX2-only EPYC about level). The
+    fp16 copy is made from the block copy's own values at the first larger step, so both
+    compute with the same weights, a start waits for neither, and the packed form on disk
+    is q8's. 3.125 bytes a weight once both exist."""
+
+    def __init__(self, small: BlockLinear, rows: int) -> None:
+        self.q8, self.SMALL = small, rows
+        self.out_features, self.in_features = small.out_features, small.in_features
+        self._fp16: Fp16Linear | None = None
+        self._making = threading.Lock()
+
+    @property
+    def fp16(self) -> Fp16Linear:
+        """The fp16 copy, made on first use (a server's threads may race to it)."""
+        with self._making:
+            if self._fp16 is None:
+                self._fp16 = Fp16Linear(dequantized(self.q8))
+            return self._fp16
+
+    def packed_state(self) -> dict[str, torch.Tensor]:
+        return self.q8.packed_state()
+
+    def _large(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fp16(x)
+
+    def _large_kernel(self, dtype: torch.dtype) -> None:
+        return None  # fbgemm's: the step's layers run one call each
+
+    def nbytes(self) -> int:
+        return self.q8.nbytes() + self.out_features * self.in_features * 2
+
+
+def fp16_split(small: BlockLinear) -> QuantLinear:
+    """q8+fp16's layer over a block copy: split where fp16 wins for its shape here, else
+    the block copy alone."""
+    rows = fp16_small(small.out_features, small.in_features)
+    return small if rows is None else Q8Fp16Linear(small, rows)
+
+
 class Q8I8Linear(SplitLinear):
     """Q8_0 for steps of up to SMALL rows, int8 blocks on both sides (I8Linear) above, on
     CPUs with VNNI: 1.3-1.6x oneDNN's bf16 GEMM for Gemma 3 270M's shapes at 32 rows, and
@@ -473,16 +535,17 @@ _KINDS: dict[str, type[QuantLinear]] = {"fp16": Fp16Linear, "q8": Q8Linear,
 
 
 def quantized(weight: torch.Tensor, mode: str) -> QuantLinear:
-    """The packed copy of a [out, in] weight for a mode other than none. q8 and q8+bf16 keep
+    """The packed copy of a [out, in] weight for a mode other than none. The q8 modes keep
     a weight that is Q5_0 already (a GGUF's Q5_0 tensors) in its own blocks on AVX-512BW
     CPUs: no rounding, 0.61x Q8_0's bytes at decode, and within 2-7% of Q8_0's speed at
     32-512 rows (benchmarks/cpu_linears.py --cold), so q8 serves it so at every step size
-    (one copy) and q8+bf16 below its bf16 copy."""
+    (one copy) and the others below their second copy."""
     mode = layer_mode(mode, weight.shape[0])
-    if mode.startswith("q8"):
-        q5 = Q5Linear.exact(weight)
-        if q5 is not None:
-            return q5 if mode == "q8" else _KINDS[mode](weight, q5)
+    q5 = Q5Linear.exact(weight) if mode.startswith("q8") else None
+    if mode == "q8+fp16":
+        return fp16_split(q5 or Q8Linear(weight))
+    if q5 is not None:
+        return q5 if mode == "q8" else _KINDS[mode](weight, q5)
     return _KINDS[mode](weight)
 
 
@@ -494,6 +557,8 @@ def from_packed(mode: str, parts: dict[str, torch.Tensor], in_features: int) -> 
         return Q8I8Linear.from_packed(small, parts["i8q"], parts["i8d"])
     if mode == "q8+bf16":
         return Q8Bf16Linear.from_packed(small, parts["bf16"])
+    if mode == "q8+fp16":
+        return fp16_split(small)
     if mode in ("q8", "q8+int8"):  # (q8+int8 without 16 columns at a time: q8 alone)
         return small
     raise ValueError(f"no saved form for quantization {mode!r}")
@@ -537,8 +602,13 @@ def quantize_all(weights: list[torch.Tensor], mode: str,
     # Largest first, so the head does not start last and finish alone.
     order = sorted(range(len(weights)), key=lambda i: -weights[i].numel())
 
+    modes = [layer_mode(mode, w.shape[0], i in heads) for i, w in enumerate(weights)]
+    for i in order:  # timed before the packing threads start, not beside them
+        if modes[i] == "q8+fp16":
+            fp16_small(*weights[i].shape)
+
     def pack(i: int) -> QuantLinear:
-        return quantized(weights[i], layer_mode(mode, weights[i].shape[0], i in heads))
+        return quantized(weights[i], modes[i])
 
     with ThreadPoolExecutor(max(torch.get_num_threads(), 1)) as pool:
         packed = dict(zip(order, pool.map(pack, order)))

@@ -1,0 +1,114 @@
+"""From how many rows fbgemm's fp16 GEMM computes a weight shape faster than our Q8_0 kernel,
+measured on this CPU once and kept.
+
+Which of the two wins a step of many rows depends on the core, not on its instruction set:
+on the AVX2-only EPYC (Zen 2/3 class, docs/benchmarks.md) the int16 multiply-adds of
+kernels/qmatmul.c run about as fast as fbgemm's fp16 FMAs (0.83-1.04x from 8 rows, 1.15x
+for the LM head at 32), while a Zen 5 restricted to the same AVX2 code runs fbgemm 1.25-2.1x
+faster from 16 rows. A table per CPU kind would be wrong on the next kind, so q8+fp16 times
+both on the shapes it serves, at the first start on a machine, and keeps the answer in the
+cache dir (`calibration.json`), keyed by the CPU's name and features, the thread count, the
+torch version and the Q8_0 layout.
+
+A step of a few rows reads its weights, and Q8_0 reads 0.56x fp16's bytes: those steps stay
+on Q8_0 whatever the timing of a weight hot in cache says (MIN_SMALL).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvserve.cpu_features import cpu_name, feature_set
+from kvserve.kernels.cpu import CpuKernels
+from kvserve.paths import default_cache_dir
+
+ROWS = (16, 32, 256)  # step sizes timed: decode batches and a prefill chunk
+MIN_SMALL = 8  # steps of up to this many rows stay on Q8_0
+MARGIN = 0.9  # fp16 must take at most this share of Q8_0's time: a second copy costs memory
+TIMED_OUT = 16384  # a larger shape (an LM head) is timed on this many of its output rows
+ROUNDS = 3
+
+
+def _key(out_features: int, in_features: int) -> str:
+    return "|".join((cpu_name(), ",".join(feature_set()), f"threads={torch.get_num_threads()}",
+                     f"torch={torch.__version__}", f"q8_layout={CpuKernels.Q8_LAYOUT}",
+                     f"{out_features}x{in_features}"))
+
+
+def _file() -> Path:
+    return default_cache_dir() / "calibration.json"
+
+
+def _read() -> dict[str, int | None]:
+    try:
+        data = json.loads(_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write(key: str, small: int | None) -> None:
+    """Add one answer to the file (atomically; a cache that cannot be written only costs the
+    next start the measurement)."""
+    data = _read()
+    data[key] = small
+    path = _file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".calibration.", dir=path.parent)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def measure(out_features: int, in_features: int, rows: int) -> tuple[float, float]:
+    """Seconds of one call of Q8_0 and of fp16 on `rows` rows of this shape (random values:
+    neither kernel's time depends on them), the best of ROUNDS, the two interleaved."""
+    from kvserve.models.quant import Fp16Linear, Q8Linear  # (quant imports this module)
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(min(out_features, TIMED_OUT), in_features, generator=gen) * 0.05
+    x = torch.randn(rows, in_features, generator=gen)
+    kernels = (Q8Linear(w), Fp16Linear(w))
+    best = [float("inf")] * 2
+    for _ in range(ROUNDS + 1):  # the first round warms both up
+        for i, kernel in enumerate(kernels):
+            start = time.perf_counter()
+            kernel(x)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
+
+
+def small_from(times: dict[int, tuple[float, float]]) -> int | None:
+    """The most rows Q8_0 should take, from (Q8_0, fp16) seconds at each timed row count:
+    fp16 takes every step above the largest count where it does not win by MARGIN (at
+    least above MIN_SMALL); None where it does not win at the largest count (no fp16 copy)."""
+    won = False  # fp16 won at every count above this one
+    for rows in sorted(times, reverse=True):
+        q8, fp16 = times[rows]
+        if fp16 > MARGIN * q8:
+            return max(rows, MIN_SMALL) if won else None
+        won = True
+    return MIN_SMALL
+
+
+@functools.cache
+def fp16_small(out_features: int, in_features: int) -> int | None:
+    """The most rows Q8_0 serves for this shape in q8+fp16, fbgemm's fp16 above; None
+    where fp16 is not faster here at any size timed. Measured once per CPU and kept."""
+    key = _key(out_features, in_features)
+    known = _read()
+    if key in known:
+        return known[key]
+    small = small_from({r: measure(out_features, in_features, r) for r in ROWS})
+    _write(key, small)
+    return small

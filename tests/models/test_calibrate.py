@@ -1,0 +1,77 @@
+"""q8+fp16's per-CPU choice (models/calibrate.py): from how many rows fp16 serves a shape,
+measured once per CPU and kept in the cache dir."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.kernels.cpu import cpu_kernels
+from kvserve.models import calibrate
+from kvserve.models.quant import fbgemm_available
+
+
+@pytest.fixture(autouse=True)
+def fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A cache dir of the test's own, and no answer kept in the process before or after."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calibrate.fp16_small.cache_clear()
+    yield tmp_path / "kvserve" / "calibration.json"
+    calibrate.fp16_small.cache_clear()
+
+
+def test_fp16_takes_every_step_above_the_last_count_where_it_does_not_win() -> None:
+    win, lose, close = (1.0, 0.5), (1.0, 1.0), (1.0, 0.95)
+    assert calibrate.small_from({16: win, 32: win, 256: win}) == calibrate.MIN_SMALL
+    assert calibrate.small_from({16: lose, 32: win, 256: win}) == 16
+    assert calibrate.small_from({16: win, 32: lose, 256: win}) == 32
+    assert calibrate.small_from({16: win, 32: win, 256: lose}) is None
+    assert calibrate.small_from({16: win, 32: win, 256: close}) is None  # within the margin
+    assert calibrate.small_from({4: lose, 32: win}) == calibrate.MIN_SMALL  # never below it
+
+
+def test_a_shape_is_measured_once_per_cpu_and_kept(fresh: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    timed: list[tuple[int, int, int]] = []
+
+    def measure(n: int, k: int, rows: int) -> tuple[float, float]:
+        timed.append((n, k, rows))
+        return (1.0, 0.5) if rows > 16 else (1.0, 1.0)
+
+    monkeypatch.setattr(calibrate, "measure", measure)
+    assert calibrate.fp16_small(300, 640) == 16
+    assert [r for *_, r in timed] == list(calibrate.ROWS)
+    calibrate.fp16_small.cache_clear()  # a new process: the file answers
+    assert calibrate.fp16_small(300, 640) == 16 and len(timed) == 3
+    assert calibrate.fp16_small(640, 300) == 16 and len(timed) == 6  # another shape
+    kept = json.loads(fresh.read_text())
+    assert len(kept) == 2 and all(k.endswith(("300x640", "640x300")) for k in kept)
+    # Another thread count is another machine as far as the timings go.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    calibrate.fp16_small.cache_clear()
+    assert calibrate.fp16_small(300, 640) == 16 and len(timed) == 9
+    # A damaged file is measured again, and rewritten whole.
+    fresh.write_text("{not json")
+    calibrate.fp16_small.cache_clear()
+    assert calibrate.fp16_small(300, 640) == 16 and len(timed) == 12
+    assert len(json.loads(fresh.read_text())) == 1
+
+
+def test_a_cache_that_cannot_be_written_costs_only_the_next_measurement(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # kvserve/ cannot be made under it
+    monkeypatch.setattr(calibrate, "measure", lambda n, k, rows: (1.0, 2.0))
+    assert calibrate.fp16_small(300, 640) is None
+
+
+@pytest.mark.skipif(cpu_kernels() is None or not fbgemm_available(),
+                    reason="the two kernels timed need the C kernels and fbgemm")
+def test_both_kernels_are_timed_on_the_shape() -> None:
+    q8, fp16 = calibrate.measure(64, 128, 16)
+    assert 0 < q8 < 1 and 0 < fp16 < 1
