@@ -13,8 +13,10 @@ green run says which paths it covered.
 KVSERVE_CPU_FLAGS (comma-separated, e.g. ``avx2,fma,f16c``) makes kvserve take the paths of a
 CPU with only those of the relevant features: its dispatch, the kernels' build (the missing
 ISAs turned off) and bf16_native follow it, so a run on an AVX-512 machine covers the
-AVX2-only machines' paths too (CI runs part of the suite so). torch's and oneDNN's own
-kernels still use what the CPU has.
+AVX2-only machines' paths too (CI runs part of the suite so). The libraries pick their own
+kernels from the CPU; the whole of an AVX2-only machine's code, for benchmarks, also takes
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2`` (fbgemm
+heeds only its own variable: without it, its fp16 and int8 GEMMs run AVX-512 code).
 """
 
 from __future__ import annotations
@@ -97,9 +99,16 @@ def summary() -> str:
     """One line: the CPU, its relevant features, torch's ISA level and the bf16 verdict."""
     bf16 = "native" if bf16_native() else "emulated"
     shown = " (KVSERVE_CPU_FLAGS: the others hidden)" if masked() else ""
+    # oneDNN and fbgemm pick their kernels from the CPU themselves, past torch's capability:
+    # a run that held them to less says so (benchmarks emulating another CPU kind).
+    held = "".join(f"; {name} held to {os.environ[var]}" for var, name in _LIBRARY_ISA
+                   if os.environ.get(var))
     return (f"{cpu_name()}: {' '.join(feature_set()) or 'no SIMD flags found'}{shown}; "
-            f"torch {torch.__version__} capability {torch.backends.cpu.get_cpu_capability()}; "
-            f"bf16 matmul {bf16}; {torch.get_num_threads()} threads")
+            f"torch {torch.__version__} capability {torch.backends.cpu.get_cpu_capability()}"
+            f"{held}; bf16 matmul {bf16}; {torch.get_num_threads()} threads")
+
+
+_LIBRARY_ISA = (("ONEDNN_MAX_CPU_ISA", "oneDNN"), ("FBGEMM_ENABLE_INSTRUCTIONS", "fbgemm"))
 
 
 if __name__ == "__main__":
