@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from unittest import mock
 
 import torch
 from cpu_linears import onednn_int8_linear
 
 from kvserve.cpu_features import bf16_native, summary
 from kvserve.datasets.sharegpt import load_conversations
-from kvserve.models import Gemma3ForCausalLM, load_model_files
+from kvserve.models import Gemma3ForCausalLM, load_model_files, quant
 from kvserve.models.attention_ref import sequence_logits
 from kvserve.models.quant import Q5Linear, Q8Bf16Linear, Q8I8Linear, vnni
 
@@ -57,6 +58,9 @@ VARIANTS = {
         quantization="q8+bf16", head="onednn outliers"),
     "q8+bf16, oneDNN int8 head + 128 bf16 channels, a scale per row": dict(
         quantization="q8+bf16", head="onednn outliers rows"),
+    # Q8_0 for steps of <= 8 rows, fbgemm fp16 on the Q8_0 values above, for every shape
+    # (whatever this CPU's calibration says; here whole texts at once: the fp16 copies).
+    "q8+fp16 (fp16 GEMM on every shape)": dict(quantization="q8+fp16", fp16_all=True),
     "fp16 (all linears + head)": dict(quantization="fp16"),
     "int8 (all linears + head)": dict(quantization="int8"),
 }
@@ -94,7 +98,9 @@ def main() -> None:
                 name.startswith(p) for p in args.only):
             continue
         m = Gemma3ForCausalLM.from_state_dict(config, dict(state_dict))
-        m.quantize(kw["quantization"])
+        small = (lambda n, k: 8) if kw.get("fp16_all") else quant.fp16_small
+        with mock.patch.object(quant, "fp16_small", small):
+            m.quantize(kw["quantization"])
         if kw.get("head") == "q5":
             m.quant_head = Q5Linear(m.model.embed_tokens.weight)
         elif kw.get("head") == "i8":
