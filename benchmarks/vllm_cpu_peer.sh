@@ -47,6 +47,11 @@ python -m kvserve.cpu_features
 preload="$work/venv/lib/libiomp5.so"
 tcmalloc=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 [ -f "$tcmalloc" ] && preload="$tcmalloc:$preload"
+# Standing for an AVX2-only CPU (KVSERVE_CPU_FLAGS without avx512f): vLLM's own kernels too.
+case ",${KVSERVE_CPU_FLAGS-avx512f}," in
+  *,avx512f,*) ;;
+  *) export PYTHONPATH="$here/vllm_avx2${PYTHONPATH:+:$PYTHONPATH}" ;;
+esac
 LD_PRELOAD="$preload" VLLM_CPU_OMP_THREADS_BIND="0-$(($(nproc) - 1))" \
   VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
   "$work/venv/bin/python" "$here/vllm_cpu_peer.py" "$work/gemma3-270m" "$work/prompts.json" "$@"

@@ -115,6 +115,23 @@ def test_q8_bf16_reads_q8_for_a_few_rows_and_bf16_for_batches() -> None:
     assert hybrid.nbytes() == q8.nbytes() + 300 * 640 * 2
 
 
+def split_calls(hybrid, q8, large, row_counts) -> list[tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
+    """A two-copy layer on float32 and bf16 rows: bit for bit its Q8_0 copy (what q8 alone
+    gives) up to SMALL rows, its large copy above. The large calls' (rows, outputs)."""
+    large_calls = []
+    for rows in row_counts:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, hybrid.in_features).to(dtype)
+            got = hybrid(x)
+            assert got.dtype == dtype and got.shape == (rows, hybrid.out_features)
+            if rows <= hybrid.SMALL:
+                assert torch.equal(got, q8(x))
+            else:
+                assert torch.equal(got, large(x)) and not torch.equal(got, q8(x))
+                large_calls.append((x, got))
+    return large_calls
+
+
 @pytest.mark.skipif(cpu_kernels() is None, reason="q8+fp16 needs the C kernels")
 def test_q8_fp16_reads_q8_for_a_few_rows_and_fp16_for_batches(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,17 +143,9 @@ def test_q8_fp16_reads_q8_for_a_few_rows_and_fp16_for_batches(
     hybrid, q8 = quantized(w, "q8+fp16"), quantized(w, "q8")
     assert isinstance(hybrid, Q8Fp16Linear) and hybrid.SMALL == 8
     w8 = dequantized(q8).half().float()  # the values both copies compute with
-    for rows in (1, 8, 9, 64):
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(rows, 640).to(dtype)
-            got = hybrid(x)
-            assert got.dtype == dtype and got.shape == (rows, 300)
-            if rows <= hybrid.SMALL:  # the Q8_0 copy: exactly what q8 alone gives
-                assert torch.equal(got, q8(x))
-            else:  # fbgemm's fp16 GEMM over the Q8_0 copy's values
-                assert torch.equal(got, hybrid.fp16(x)) and not torch.equal(got, q8(x))
-                want = x.float() @ w8.T
-                assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    # above SMALL rows: fbgemm's fp16 GEMM over the Q8_0 copy's values
+    for x, got in split_calls(hybrid, q8, hybrid.fp16, (1, 8, 9, 64)):
+        assert rel_err(got, x.float() @ w8.T) < (1e-5 if x.dtype == torch.float32 else 1e-2)
     assert hybrid(torch.randn(0, 640)).shape == (0, 300)
     assert hybrid.nbytes() == q8.nbytes() + 300 * 640 * 2
     assert hybrid.packed_state().keys() == q8.packed_state().keys()  # saved as q8 is
@@ -172,16 +181,8 @@ def test_q8_int8_reads_q8_for_a_few_rows_and_int8_blocks_for_batches() -> None:
     w = torch.randn(304, 640) * 0.05
     hybrid, q8 = quantized(w, "q8+int8"), quantized(w, "q8")
     assert isinstance(hybrid, Q8I8Linear)
-    for rows in (1, 16, 17, 64):
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(rows, 640).to(dtype)
-            got = hybrid(x)
-            assert got.dtype == dtype and got.shape == (rows, 304)
-            if rows <= hybrid.SMALL:  # the Q8_0 copy: exactly what q8 alone gives
-                assert torch.equal(got, q8(x))
-            else:  # int8 blocks on both sides
-                assert torch.equal(got, hybrid.i8(x)) and not torch.equal(got, q8(x))
-                assert rel_err(got, x.float() @ w.T) < 0.02
+    for x, got in split_calls(hybrid, q8, hybrid.i8, (1, 16, 17, 64)):  # int8 blocks above
+        assert rel_err(got, x.float() @ w.T) < 0.02
     assert hybrid(torch.randn(0, 640)).shape == (0, 304)
     assert hybrid.nbytes() == q8.nbytes() + 304 * 640 + 304 * 20 * 4
     # i8matmul.c takes columns 16 at a time: any other count is served by q8 alone.
