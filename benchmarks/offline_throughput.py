@@ -68,8 +68,9 @@ def first_token(engine: LLMEngine, prompts: list[list[int]]) -> float:
 
 def warm(engine: LLMEngine) -> None:
     """A short prompt and a 40-token one, then 17 short ones at once: every step size's
-    path is ready before anything is timed (q8+bf16 makes its oneDNN copies on the first
-    step of more than 4-16 rows, the LM head's on the first that samples that many)."""
+    path is ready before anything is timed (q8+bf16 and q8+fp16 make their second copies
+    on the first step of more than their row counts, the LM head's on the first that
+    samples that many)."""
     run_engine(engine, [[2, 100, 200, 300], list(range(1000, 1040))], [4, 2])
     run_engine(engine, [[2, 100 + i, 200, 300] for i in range(17)], [2] * 17)
 

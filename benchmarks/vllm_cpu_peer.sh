@@ -48,7 +48,8 @@ preload="$work/venv/lib/libiomp5.so"
 tcmalloc=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 [ -f "$tcmalloc" ] && preload="$tcmalloc:$preload"
 # Standing for an AVX2-only CPU (KVSERVE_CPU_FLAGS without avx512f): vLLM's own kernels too.
-case ",${KVSERVE_CPU_FLAGS-avx512f}," in
+flags=${KVSERVE_CPU_FLAGS-avx512f}
+case ",${flags// /,}," in
   *,avx512f,*) ;;
   *) export PYTHONPATH="$here/vllm_avx2${PYTHONPATH:+:$PYTHONPATH}" ;;
 esac

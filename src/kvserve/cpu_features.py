@@ -69,6 +69,14 @@ def cpu_name() -> str:
     return info.get("model name") or platform.processor() or platform.machine()
 
 
+def cpu_id() -> str:
+    """The CPU's name with its family, model and stepping: "AMD EPYC" alone names several
+    generations (a Zen 2 and a Zen 5 read alike)."""
+    info = _cpuinfo()
+    parts = (info.get(k, "?") for k in ("cpu family", "model", "stepping"))
+    return f"{cpu_name()} ({'/'.join(parts)})"
+
+
 def feature_set() -> tuple[str, ...]:
     """The relevant flags this CPU has, in a fixed order (a build-cache key)."""
     flags = cpu_flags()

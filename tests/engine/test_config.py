@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvserve.cpu_features import bf16_native
-from kvserve.engine.engine import resolve_dtype
+from kvserve.engine import engine as engine_module
+from kvserve.engine.engine import resolve_dtype, resolve_kv_bytes
 
 CPU = torch.device("cpu")
 
@@ -48,3 +49,16 @@ def test_page_size_is_the_models():
     # in 256 pages; 32-token pages do, the state page padded 0.4%.
     bamba = get_model("bamba-9b").kv_specs()
     assert pick_tokens_per_page(bamba, "jenga", None) == 32
+
+
+def test_a_kv_fraction_leaves_what_the_model_will_still_take(monkeypatch):
+    """q8+fp16 makes its fp16 copies at the first large step, after the pool is sized: a
+    fraction of the free memory is taken of what they will leave, and bytes given outright
+    stay as given."""
+    pages = {"SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(engine_module.os, "sysconf", pages.__getitem__)
+    cpu = torch.device("cpu")
+    assert resolve_kv_bytes(0.5, cpu) == 2048000
+    assert resolve_kv_bytes(0.5, cpu, reserved=96000) == 2000000
+    assert resolve_kv_bytes(0.5, cpu, reserved=10**9) == 0
+    assert resolve_kv_bytes(12345, cpu, reserved=10**9) == 12345

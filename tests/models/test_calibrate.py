@@ -51,14 +51,19 @@ def test_a_shape_is_measured_once_per_cpu_and_kept(fresh: Path,
     kept = json.loads(fresh.read_text())
     assert len(kept) == 2 and all(k.endswith(("300x640", "640x300")) for k in kept)
     # Another thread count is another machine as far as the timings go.
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    threads = torch.get_num_threads() + 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     calibrate.fp16_small.cache_clear()
     assert calibrate.fp16_small(300, 640) == 16 and len(timed) == 9
-    # A damaged file is measured again, and rewritten whole.
+    # A damaged file is measured again, and rewritten whole; so is an answer that is no
+    # row count (a hand edit), which would otherwise reach the layers' row comparisons.
     fresh.write_text("{not json")
     calibrate.fp16_small.cache_clear()
     assert calibrate.fp16_small(300, 640) == 16 and len(timed) == 12
     assert len(json.loads(fresh.read_text())) == 1
+    fresh.write_text(json.dumps({k: "16" for k in json.loads(fresh.read_text())}))
+    calibrate.fp16_small.cache_clear()
+    assert calibrate.fp16_small(300, 640) == 16 and len(timed) == 15
 
 
 def test_a_cache_that_cannot_be_written_costs_only_the_next_measurement(
@@ -72,6 +77,17 @@ def test_a_cache_that_cannot_be_written_costs_only_the_next_measurement(
 
 @pytest.mark.skipif(cpu_kernels() is None or not fbgemm_available(),
                     reason="the two kernels timed need the C kernels and fbgemm")
-def test_both_kernels_are_timed_on_the_shape() -> None:
+def test_both_kernels_are_timed_on_the_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(calibrate, "SAMPLE_S", 0.001)
     q8, fp16 = calibrate.measure(64, 128, 16)
     assert 0 < q8 < 1 and 0 < fp16 < 1
+
+
+def test_the_key_names_the_cpu_and_what_held_its_libraries(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Zen 5 held to AVX2 and a real AVX2-only EPYC both read "AMD EPYC": family, model
+    and stepping tell them apart, and a run whose fbgemm was held keeps its own answers."""
+    plain = calibrate._key(300, 640)
+    assert plain.startswith(calibrate.cpu_id())
+    monkeypatch.setenv("FBGEMM_ENABLE_INSTRUCTIONS", "AVX2")
+    assert calibrate._key(300, 640) != plain

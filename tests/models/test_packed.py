@@ -114,9 +114,12 @@ def test_a_warm_start_serves_bit_identically_to_quantizing(entry, mode, dtype,
         assert warm.quant_head.bf16.data_ptr() == emb.data_ptr()
     if mode == "q8+fp16":
         assert type(warm.model.layers[0].mlp.down_proj.quant).__name__ == "Q8Fp16Linear"
+        down = warm.model.layers[0].mlp.down_proj  # every copy pends, the largest twice more
+        assert warm.pending_bytes() > 2 * down.out_features * down.in_features * 2
     for got in (_logits(cold), _logits(warm)):
         for g, w in zip(got, want):
             assert torch.equal(g, w)
+    assert warm.pending_bytes() == 0  # the 20-row step made every fp16 copy
 
 
 def _damage(path: Path, how: str) -> None:

@@ -142,12 +142,13 @@ def test_q8_fp16_reads_q8_for_a_few_rows_and_fp16_for_batches(
     w = torch.randn(300, 640) * 0.05
     hybrid, q8 = quantized(w, "q8+fp16"), quantized(w, "q8")
     assert isinstance(hybrid, Q8Fp16Linear) and hybrid.SMALL == 8
+    assert hybrid.pending_bytes() == 300 * 640 * 2  # the fp16 copy is made at first use
     w8 = dequantized(q8).half().float()  # the values both copies compute with
     # above SMALL rows: fbgemm's fp16 GEMM over the Q8_0 copy's values
     for x, got in split_calls(hybrid, q8, hybrid.fp16, (1, 8, 9, 64)):
         assert rel_err(got, x.float() @ w8.T) < (1e-5 if x.dtype == torch.float32 else 1e-2)
     assert hybrid(torch.randn(0, 640)).shape == (0, 300)
-    assert hybrid.nbytes() == q8.nbytes() + 300 * 640 * 2
+    assert hybrid.nbytes() == q8.nbytes() + 300 * 640 * 2 and hybrid.pending_bytes() == 0
     assert hybrid.packed_state().keys() == q8.packed_state().keys()  # saved as q8 is
     # A shape where fp16 is no faster on this CPU keeps its Q8_0 copy alone.
     monkeypatch.setattr(quant, "fp16_small", lambda n, k: None)
@@ -157,15 +158,12 @@ def test_q8_fp16_reads_q8_for_a_few_rows_and_fp16_for_batches(
 @pytest.mark.skipif(cpu_kernels() is None, reason="block copies need the C kernels")
 def test_dequantized_gives_back_the_values_the_blocks_hold() -> None:
     torch.manual_seed(0)
-    q, d = q8_blocks(torch.randn(300, 640) * 0.05)
-    w8 = (q.float().view(300, 20, 32) * d[..., None]).view(300, 640)  # on the Q8_0 grid
-    # Three chunks, the last one short; only the scales' float32 rounding may differ.
-    assert torch.allclose(dequantized(Q8Linear(w8), chunk=128), w8, rtol=1e-6, atol=0)
-    if serves_q5():
-        w5 = q5_dequantize(*q5_blocks(w8))
-        q5 = quantized(w5, "q8")
-        assert isinstance(q5, Q5Linear)
-        assert torch.allclose(dequantized(q5, chunk=128), w5, rtol=1e-6, atol=0)
+    # K = 608: the packed rows carry a padding block past K
+    q, d = q8_blocks(torch.randn(300, 608) * 0.05)
+    w8 = (q.float().view(300, 19, 32) * d[..., None]).view(300, 608)  # on the Q8_0 grid
+    assert torch.equal(dequantized(Q8Linear(w8)), w8)
+    w5 = q5_dequantize(*q5_blocks(w8))  # Q5_0 blocks (served where the CPU has AVX-512BW)
+    assert torch.equal(dequantized(Q5Linear(w5)), w5)
 
 
 @pytest.mark.skipif(bf16_native(), reason="this CPU computes bf16 natively")

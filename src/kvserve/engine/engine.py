@@ -165,8 +165,10 @@ def pick_tokens_per_page(specs: Sequence[KVSpec], policy: str, asked: int | None
     raise error
 
 
-def resolve_kv_bytes(kv_memory: int | float | None, device: torch.device) -> int:
-    """Bytes for the KV pool: as given, or a fraction of the memory free now."""
+def resolve_kv_bytes(kv_memory: int | float | None, device: torch.device,
+                     reserved: int = 0) -> int:
+    """Bytes for the KV pool: as given, or a fraction of the memory free now, less the
+    `reserved` bytes the model will still take (CausalLM.pending_bytes)."""
     if isinstance(kv_memory, int) and not isinstance(kv_memory, bool):
         if kv_memory <= 0:
             raise ValueError(f"kv_memory must be > 0 bytes, got {kv_memory}")
@@ -175,6 +177,7 @@ def resolve_kv_bytes(kv_memory: int | float | None, device: torch.device) -> int
         free = torch.cuda.mem_get_info(device)[0]
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free = max(free - reserved, 0)
     if kv_memory is None:  # CPU: a modest default; GPU: most of what is free
         return int(free * 0.8) if device.type == "cuda" else min(2 * GiB, int(free * 0.2))
     if not 0 < kv_memory <= 1:
@@ -205,7 +208,7 @@ class LLMEngine:
         config = self.config = model.config
         vtensor = cfg.kv_backend == "vtensor"
         specs, bindings, shapes = kv_specs(model.kv_layers, model.dtype, full_history=vtensor)
-        kv_bytes = resolve_kv_bytes(cfg.kv_memory, model.device)
+        kv_bytes = resolve_kv_bytes(cfg.kv_memory, model.device, model.pending_bytes())
         T = pick_tokens_per_page(specs, cfg.policy, cfg.tokens_per_page)
         # Under vtensor kv_bytes is the physical ceiling; the core admits a share of it.
         core_bytes = kv_bytes

@@ -297,6 +297,21 @@ class CpuKernels:
         return QMatmul(self.lib.kvs_q8_matmul, "q8_matmul", (q, torch.int8),
                        (d, torch.float32), N, K)
 
+    def q8_values(self, q: torch.Tensor, d: torch.Tensor, K: int) -> torch.Tensor:
+        """The float32 weight [N, K] that q8_pack's blocks hold (q * d, each value exact)."""
+        N, Kp = q.shape
+        vals = q.view(N, Kp // self.Q8_GROUP, self.Q8_GROUP)[..., _GROUP_ORDER]
+        return _scaled(vals.reshape(N, Kp), d, K)
+
+    def q5_values(self, q: torch.Tensor, d: torch.Tensor, K: int) -> torch.Tensor:
+        """The float32 weight [N, K] that q5_pack's blocks hold (d * (code - 16))."""
+        N = q.shape[0]
+        g = q.view(N, -1, self.Q5_GROUP_BYTES)
+        low = torch.cat([g[..., :64] & 15, g[..., :64] >> 4], dim=-1)  # positions 0-63, 64-127
+        bits = g[..., 64:].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1
+        codes = (low | bits.flatten(-2) << 4)[..., _GROUP_ORDER].to(torch.int16) - 16
+        return _scaled(codes.reshape(N, -1), d, K)
+
     Q5_GROUP_BYTES = 80  # a packed Q5_0 group of 128 weights: 64 nibble bytes + 16 of bits
 
     def _q5_empty(self, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -509,6 +524,20 @@ def _pages(cache: torch.Tensor, steps: torch.Tensor | None) -> tuple[int | None,
         raise ValueError("step pages must be laid out as the pool's pages")
     ptr, ss_page = _step_pages(steps)
     return ptr, s_page, ss_page, *inner
+
+
+# Where value j of block k of a packed group of 128 lies (qmatmul.c's group_pos), in the
+# blocks' own order: indexing a group with it undoes the interleave.
+_GROUP_ORDER = torch.tensor([16 * ((j % 16) // 2) + 2 * (4 * (j // 16) + k) + j % 2
+                             for k in range(4) for j in range(32)])
+
+
+def _scaled(vals: torch.Tensor, d: torch.Tensor, K: int) -> torch.Tensor:
+    """Integer block values [N, Kp] times their blocks' scales d [N, Kp / 32], the padding
+    past K cut off."""
+    N, Kp = vals.shape
+    out = vals.view(N, Kp // 32, 32).float() * d.float().unsqueeze(-1)
+    return out.view(N, Kp)[:, :K].contiguous()
 
 
 def _ptr(t: torch.Tensor, dtype: torch.dtype, numel: int | None = None) -> int:

@@ -226,6 +226,15 @@ class CausalLM(nn.Module):
         self.quantization = mode
         return held
 
+    def pending_bytes(self) -> int:
+        """Memory the packed linears will still take at their first large step (q8+fp16's
+        fp16 copies), with room for the largest one's float32 dequantized weight while it is
+        packed: what a KV pool sized from the memory free now must leave."""
+        quants = [m.quant for m in self.modules() if getattr(m, "quant", None) is not None]
+        pending = [q.pending_bytes() for q in [*quants, self.quant_head]
+                   if hasattr(q, "pending_bytes")]
+        return sum(pending) + 2 * max(pending, default=0)
+
     def adapt_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF-named weights -> this model's (a family fuses projections here)."""
         return dict(state_dict)

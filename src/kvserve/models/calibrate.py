@@ -7,8 +7,9 @@ kernels/qmatmul.c run about as fast as fbgemm's fp16 FMAs (0.83-1.04x from 8 row
 for the LM head at 32), while a Zen 5 restricted to the same AVX2 code runs fbgemm 1.25-2.1x
 faster from 16 rows. A table per CPU kind would be wrong on the next kind, so q8+fp16 times
 both on the shapes it serves, at the first start on a machine, and keeps the answer in the
-cache dir (`calibration.json`), keyed by the CPU's name and features, the thread count, the
-torch version and the Q8_0 layout.
+cache dir (`calibration.json`), keyed by the CPU (name, family, model, stepping, features,
+and the ISA the libraries were held to), the thread count, the torch version and the Q8_0
+layout.
 
 A step of a few rows reads its weights, and Q8_0 reads 0.56x fp16's bytes: those steps stay
 on Q8_0 whatever the timing of a weight hot in cache says (MIN_SMALL).
@@ -19,13 +20,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from kvserve.cpu_features import cpu_name, feature_set
+from kvserve.cpu_features import cpu_id, feature_set
 from kvserve.kernels.cpu import CpuKernels
 from kvserve.paths import default_cache_dir
 
@@ -33,13 +35,17 @@ ROWS = (16, 32, 256)  # step sizes timed: decode batches and a prefill chunk
 MIN_SMALL = 8  # steps of up to this many rows stay on Q8_0
 MARGIN = 0.9  # fp16 must take at most this share of Q8_0's time: a second copy costs memory
 TIMED_OUT = 16384  # a larger shape (an LM head) is timed on this many of its output rows
-ROUNDS = 3
+SAMPLES = 5  # timings a kernel a row count, alternating with the other's; the median counts
+SAMPLE_S = 0.01  # each at least this long (calls repeated): single calls of 0.1 ms are noise
+# The libraries pick their own kernels unless these hold them (cpu_features.summary).
+_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
 
 
 def _key(out_features: int, in_features: int) -> str:
-    return "|".join((cpu_name(), ",".join(feature_set()), f"threads={torch.get_num_threads()}",
-                     f"torch={torch.__version__}", f"q8_layout={CpuKernels.Q8_LAYOUT}",
-                     f"{out_features}x{in_features}"))
+    held = ",".join(f"{v}={os.environ[v]}" for v in _ISA_VARIABLES if os.environ.get(v))
+    return "|".join((cpu_id(), ",".join(feature_set()), held,
+                     f"threads={torch.get_num_threads()}", f"torch={torch.__version__}",
+                     f"q8_layout={CpuKernels.Q8_LAYOUT}", f"{out_features}x{in_features}"))
 
 
 def _file() -> Path:
@@ -47,11 +53,16 @@ def _file() -> Path:
 
 
 def _read() -> dict[str, int | None]:
+    """The kept answers; anything but None or a row count of at least MIN_SMALL (a file
+    edited or damaged) is left out, to be measured again."""
     try:
         data = json.loads(_file().read_text())
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if v is None
+            or type(v) is int and v >= MIN_SMALL}
 
 
 def _write(key: str, small: int | None) -> None:
@@ -71,21 +82,28 @@ def _write(key: str, small: int | None) -> None:
 
 
 def measure(out_features: int, in_features: int, rows: int) -> tuple[float, float]:
-    """Seconds of one call of Q8_0 and of fp16 on `rows` rows of this shape (random values:
-    neither kernel's time depends on them), the best of ROUNDS, the two interleaved."""
+    """Seconds a call of Q8_0 and of fp16 on `rows` rows of this shape (random values:
+    neither kernel's time depends on them): the median of SAMPLES timings of at least
+    SAMPLE_S each, the two kernels alternating."""
     from kvserve.models.quant import Fp16Linear, Q8Linear  # (quant imports this module)
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(min(out_features, TIMED_OUT), in_features, generator=gen) * 0.05
     x = torch.randn(rows, in_features, generator=gen)
     kernels = (Q8Linear(w), Fp16Linear(w))
-    best = [float("inf")] * 2
-    for _ in range(ROUNDS + 1):  # the first round warms both up
+    calls = []
+    for kernel in kernels:  # a first call warms it up and sizes its samples
+        start = time.perf_counter()
+        kernel(x)
+        calls.append(max(1, int(SAMPLE_S / max(time.perf_counter() - start, 1e-6))))
+    times: list[list[float]] = [[], []]
+    for _ in range(SAMPLES):
         for i, kernel in enumerate(kernels):
             start = time.perf_counter()
-            kernel(x)
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best[0], best[1]
+            for _ in range(calls[i]):
+                kernel(x)
+            times[i].append((time.perf_counter() - start) / calls[i])
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def small_from(times: dict[int, tuple[float, float]]) -> int | None:

@@ -11,7 +11,7 @@ weight-only int8/int4 ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
 
 What is exact and what is not. fbgemm takes its own layouts, so its copies are
 re-quantized from the GGUF's dequantized values.
-- q8 (the default on float32 CPUs): llama.cpp's Q8_0 blocks (int8, one scale per 32
+- q8 (on request: one copy): llama.cpp's Q8_0 blocks (int8, one scale per 32
   weights; the file's own Q8_0 tensors, such as Gemma 3's tied embedding, come back
   exactly) read by kernels/qmatmul.c at every step size, activations rounded to int16
   blocks. 1.125 bytes a weight, one copy; top-1 agreement with the float32 model 98.8%,
@@ -249,7 +249,7 @@ class Q8Linear(BlockLinear):
 
 
 def serves_q5() -> bool:
-    """Whether q8 and q8+bf16 serve a weight that is Q5_0 already in its own blocks here."""
+    """Whether the q8 modes serve a weight that is Q5_0 already in its own blocks here."""
     return cpu_kernels() is not None and "avx512bw" in cpu_flags()
 
 
@@ -439,17 +439,10 @@ class Q8Bf16Linear(SplitLinear):
         return self.q8.nbytes() + self.out_features * self.in_features * 2
 
 
-def dequantized(blocks: BlockLinear, chunk: int = 16384) -> torch.Tensor:
-    """The float32 weight [N, K] a block copy holds: identity rows through its own kernel
-    (x @ W.T for x = I is W.T; each product is one weight times one, so nothing but the
-    scales' float32 rounding enters), `chunk` output rows at a time."""
-    n, k = blocks.out_features, blocks.in_features
-    parts, eye = blocks.packed_state(), torch.eye(k)
-    out = torch.empty(n, k)
-    for n0 in range(0, n, chunk):
-        rows = type(blocks).from_packed(*(v[n0:n0 + chunk] for v in parts.values()), k)
-        out[n0:n0 + chunk] = rows(eye).T
-    return out
+def dequantized(blocks: BlockLinear) -> torch.Tensor:
+    """The float32 weight [N, K] a block copy holds, each value exact (q * d)."""
+    values = getattr(blocks.kernels, f"{blocks.KIND}_values")
+    return values(blocks.q, blocks.d, blocks.in_features)
 
 
 class Q8Fp16Linear(SplitLinear):
@@ -469,10 +462,15 @@ class Q8Fp16Linear(SplitLinear):
     @property
     def fp16(self) -> Fp16Linear:
         """The fp16 copy, made on first use (a server's threads may race to it)."""
-        with self._making:
-            if self._fp16 is None:
-                self._fp16 = Fp16Linear(dequantized(self.q8))
-            return self._fp16
+        if self._fp16 is None:
+            with self._making:
+                if self._fp16 is None:
+                    self._fp16 = Fp16Linear(dequantized(self.q8))
+        return self._fp16
+
+    def pending_bytes(self) -> int:
+        """What the fp16 copy will take once made (0 after)."""
+        return 0 if self._fp16 is not None else self.out_features * self.in_features * 2
 
     def packed_state(self) -> dict[str, torch.Tensor]:
         return self.q8.packed_state()
@@ -550,7 +548,7 @@ def quantized(weight: torch.Tensor, mode: str) -> QuantLinear:
 
 
 def from_packed(mode: str, parts: dict[str, torch.Tensor], in_features: int) -> QuantLinear:
-    """A q8, q8+bf16 or q8+int8 layer over the parts its packed_state gave."""
+    """A layer of a q8 mode over the parts its packed_state gave."""
     kind = Q5Linear if "q5" in parts else Q8Linear
     small = kind.from_packed(*(parts[k] for k in kind.KEYS), in_features)
     if "i8q" in parts:  # q8+int8's, or an LM head's in any q8 mode (serves_i8_head)
