@@ -19,7 +19,8 @@ src=llama_cpp_python-$version/vendor/llama.cpp
 # threads (ggml's tinygemm_kernel_amx, `tilezero`; seen on the project's Intel Xeon VM):
 # there it is built for the CPU's AVX-512 features without AMX.
 build=build isa=(-DGGML_NATIVE=ON)
-if [ "${LLAMA_ISA:-native}" = avx2 ]; then
+isa_name=${LLAMA_ISA:-native}
+if [ "${isa_name,,}" = avx2 ]; then
   build=build-avx2
   isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
 elif grep -qw amx_tile /proc/cpuinfo; then

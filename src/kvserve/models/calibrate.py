@@ -19,6 +19,7 @@ Q8_0 whatever the timing of one weight hot in cache says.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -72,7 +73,7 @@ def _write(key: str, small: int | None) -> None:
     next start the measurement)."""
     data = _read()
     data[key] = small
-    path = _file()
+    path, tmp = _file(), None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".calibration.", dir=path.parent)
@@ -80,7 +81,9 @@ def _write(key: str, small: int | None) -> None:
             json.dump(data, fh, indent=1, sort_keys=True)
         os.replace(tmp, path)
     except OSError:
-        pass
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def measure(out_features: int, in_features: int, rows: int) -> tuple[float, float]:
