@@ -38,9 +38,9 @@ def test_a_shape_is_measured_once_per_cpu_and_kept(fresh: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     timed: list[tuple[int, int, int]] = []
 
-    def measure(n: int, k: int, rows: int) -> tuple[float, float]:
-        timed.append((n, k, rows))
-        return (1.0, 0.5) if rows > 16 else (1.0, 1.0)
+    def measure(n: int, k: int, row_counts: tuple[int, ...]) -> dict[int, tuple[float, float]]:
+        timed.extend((n, k, rows) for rows in row_counts)
+        return {rows: (1.0, 0.5) if rows > 16 else (1.0, 1.0) for rows in row_counts}
 
     monkeypatch.setattr(calibrate, "measure", measure)
     assert calibrate.fp16_small(300, 640) == 16
@@ -71,7 +71,7 @@ def test_a_cache_that_cannot_be_written_costs_only_the_next_measurement(
     blocked = tmp_path / "file"
     blocked.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # kvserve/ cannot be made under it
-    monkeypatch.setattr(calibrate, "measure", lambda n, k, rows: (1.0, 2.0))
+    monkeypatch.setattr(calibrate, "measure", lambda n, k, rows: dict.fromkeys(rows, (1.0, 2.0)))
     assert calibrate.fp16_small(300, 640) is None
 
 
@@ -79,8 +79,9 @@ def test_a_cache_that_cannot_be_written_costs_only_the_next_measurement(
                     reason="the two kernels timed need the C kernels and fbgemm")
 def test_both_kernels_are_timed_on_the_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(calibrate, "SAMPLE_S", 0.001)
-    q8, fp16 = calibrate.measure(64, 128, 16)
-    assert 0 < q8 < 1 and 0 < fp16 < 1
+    times = calibrate.measure(64, 128, (16, 32))
+    assert list(times) == [16, 32]
+    assert all(0 < q8 < 1 and 0 < fp16 < 1 for q8, fp16 in times.values())
 
 
 def test_the_key_names_the_cpu_and_what_held_its_libraries(

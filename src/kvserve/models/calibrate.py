@@ -4,8 +4,9 @@ measured on this CPU once and kept.
 Which of the two wins a step of many rows depends on the core, not on its instruction set:
 on the AVX2-only EPYC (Zen 2/3 class, docs/benchmarks.md) the int16 multiply-adds of
 kernels/qmatmul.c run about as fast as fbgemm's fp16 FMAs (0.83-1.04x from 8 rows, 1.15x
-for the LM head at 32), while a Zen 5 restricted to the same AVX2 code runs fbgemm 1.25-2.1x
-faster from 16 rows. A table per CPU kind would be wrong on the next kind, so q8+fp16 times
+for the LM head at 32), and so do they on a Zen 5 held to AVX2 code, while the same Zen 5
+with AVX-512, in float32, runs fbgemm 10% or more faster on one or two of Gemma 3 270M's
+layer shapes. A table per CPU kind would be wrong on the next kind, so q8+fp16 times
 both on the shapes it serves, at the first start on a machine, and keeps the answer in the
 cache dir (`calibration.json`), keyed by the CPU (name, family, model, stepping, features,
 and the ISA the libraries were held to), the thread count, the torch version and the Q8_0
@@ -86,16 +87,22 @@ def _write(key: str, small: int | None) -> None:
                 os.unlink(tmp)
 
 
-def measure(out_features: int, in_features: int, rows: int) -> tuple[float, float]:
-    """Seconds a call of Q8_0 and of fp16 on `rows` rows of this shape (random values:
-    neither kernel's time depends on them): the median of SAMPLES timings of at least
-    SAMPLE_S each, the two kernels alternating."""
+def measure(out_features: int, in_features: int,
+            row_counts: tuple[int, ...]) -> dict[int, tuple[float, float]]:
+    """Seconds a call of Q8_0 and of fp16 at each row count for this shape (random values:
+    neither kernel's time depends on them), both packed once."""
     from kvserve.models.quant import Fp16Linear, Q8Linear  # (quant imports this module)
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(min(out_features, TIMED_OUT), in_features, generator=gen) * 0.05
-    x = torch.randn(rows, in_features, generator=gen)
     kernels = (Q8Linear(w), Fp16Linear(w))
+    return {rows: _timed(kernels, torch.randn(rows, in_features, generator=gen))
+            for rows in row_counts}
+
+
+def _timed(kernels: tuple, x: torch.Tensor) -> tuple[float, float]:
+    """Seconds a call of each kernel on x: the median of SAMPLES timings of at least
+    SAMPLE_S each, the two kernels alternating."""
     calls = []
     for kernel in kernels:  # a first call warms it up and sizes its samples
         start = time.perf_counter()
@@ -132,6 +139,6 @@ def fp16_small(out_features: int, in_features: int) -> int | None:
     known = _read()
     if key in known:
         return known[key]
-    small = small_from({r: measure(out_features, in_features, r) for r in ROWS})
+    small = small_from(measure(out_features, in_features, ROWS))
     _write(key, small)
     return small

@@ -448,7 +448,8 @@ def dequantized(blocks: BlockLinear) -> torch.Tensor:
 class Q8Fp16Linear(SplitLinear):
     """Q8_0 (or a file's own Q5_0 blocks) for steps of up to SMALL rows, fbgemm's fp16 GEMM
     above, where this CPU runs it faster for the weight's shape (calibrate.fp16_small: on a
-    Zen 5 held to AVX2 code, 1.25-2.1x from 16 rows; on the AVX2-only EPYC about level). The
+    Zen 5 in float32 one or two of Gemma 3 270M's layer shapes; held to AVX2 code, as on the
+    AVX2-only EPYC, none: the two are about level there). The
     fp16 copy is made from the block copy's own values at the first larger step, so both
     compute with the same weights, a start waits for neither, and the packed form on disk
     is q8's. 3.125 bytes a weight once both exist."""
