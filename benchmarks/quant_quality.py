@@ -21,7 +21,7 @@ from kvserve.cpu_features import bf16_native, summary
 from kvserve.datasets.sharegpt import load_conversations
 from kvserve.models import Gemma3ForCausalLM, load_model_files, quant
 from kvserve.models.attention_ref import sequence_logits
-from kvserve.models.quant import Q5Linear, Q8Bf16Linear, Q8I8Linear, vnni
+from kvserve.models.quant import Q5Linear, Q8Bf16Linear, Q8I8Linear
 
 VARIANTS = {
     "none (float32)": dict(quantization="none"),
@@ -91,8 +91,7 @@ def main() -> None:
     docs = [tok(t).input_ids[: args.tokens] for t in texts(args.texts)]
     models = {}
     for name, kw in VARIANTS.items():
-        if (kw["quantization"] == "q8+bf16" and not bf16_native()
-                or kw["quantization"] == "q8+int8" and not vnni()):
+        if kw["quantization"] == "q8+bf16" and not bf16_native():
             continue
         if args.only and name != next(iter(VARIANTS)) and not any(
                 name.startswith(p) for p in args.only):
@@ -104,8 +103,6 @@ def main() -> None:
         if kw.get("head") == "q5":
             m.quant_head = Q5Linear(m.model.embed_tokens.weight)
         elif kw.get("head") == "i8":
-            if not vnni():
-                continue
             m.quant_head = Q8I8Linear(m.model.embed_tokens.weight)
         elif kw.get("head") == "bf16":
             m.quant_head = Q8Bf16Linear(m.model.embed_tokens.weight)
@@ -115,8 +112,6 @@ def main() -> None:
                 m.model.embed_tokens.weight.float(), per_row=kw["head"].endswith("rows"),
                 outliers=gain.abs().topk(128).indices if "outliers" in kw["head"] else None)
         if kw.get("int8_in"):
-            if not vnni():
-                continue
             i8 = Gemma3ForCausalLM.from_state_dict(config, dict(state_dict))
             i8.quantize("q8+int8")
             for (path, layer), other in zip(m.named_modules(), i8.modules()):

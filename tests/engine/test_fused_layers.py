@@ -20,7 +20,6 @@ from kvserve.models import quant
 from kvserve.models.base import CausalLM
 from kvserve.models.fused_layers import FusedLayers
 from kvserve.models.llama import LlamaConfig, LlamaForCausalLM
-from kvserve.models.quant import vnni
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C compiler: no kernels")
 
@@ -96,8 +95,6 @@ MODES = [(torch.float32, "q8"), (torch.float32, "q8+fp16"), (torch.bfloat16, "q8
 def test_fused_steps_equal_the_modules_bitwise(family, dtype, mode, kw, monkeypatch):
     if dtype == torch.bfloat16 and not bf16_native():
         pytest.skip("bf16 projections and attention need native bf16 (AVX-512 BF16 or AMX)")
-    if mode == "q8+int8" and not vnni():
-        pytest.skip("q8+int8 needs VNNI")
     kw = dict(kw)
     n, lengths = kw.pop("n", 6), kw.pop("lengths", LENGTHS * 4)
     ps = prompts(n, lengths[:n])

@@ -36,7 +36,7 @@ def test_hidden_cpu_features_change_dispatch_and_build():
     assert {"avx2", "fma"} <= set(flags) or "avx2" not in open("/proc/cpuinfo").read()
     assert not {"avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni"} & set(flags)
     assert bf16 is False
-    assert "-mno-avx512f" in isa
+    assert "-mno-avx512f" in isa and "-mno-avxvnni" in isa  # i8matmul.c's AVX2 path, not AVX-VNNI
     env["KVSERVE_CPU_FLAGS"] = ""  # nothing relevant: the plain C paths
     flags, bf16, isa = json.loads(subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True,

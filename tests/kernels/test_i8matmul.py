@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.kernels.cpu import cpu_kernels
 from kvserve.models.quant import q8_blocks
 
 
@@ -50,6 +51,24 @@ def test_i8_matmul_matches_the_blocks_it_rounds_to(kernels, seed, M, vectors, bl
 def test_i8_matmul_at_gemma_shapes_and_past_a_row_block(kernels, M, N, K):
     """Gemma 3 270M's projections at a batch step, and more rows than one pass (256)."""
     check(kernels, K, M, N, K // 32, False)
+
+
+def test_the_vector_paths_agree_bit_for_bit():
+    """AVX2's sums (vpmaddubsw on |x| and the weights carrying x's sign) are the VNNI paths'
+    integers, scaled and summed in the same order, so the AVX-512 VNNI, AVX-VNNI and AVX2
+    builds give the same bits; also for an output past 16 MB, which is streamed past the
+    caches (17 rows of a 262k-row head)."""
+    builds = [cpu_kernels(flags) for flags in
+              [(), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avxvnni")]]
+    if None in builds:
+        pytest.skip("a build did not compile here")
+    g = torch.Generator().manual_seed(7)
+    for M, N, K in [(5, 48, 640), (17, 262144, 32)]:
+        w, x = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g)
+        packed = builds[0].i8_pack(w)
+        got = [k.i8_matmul(x, *packed) for k in builds]
+        assert all(torch.equal(got[0], y) for y in got[1:])
+    check(builds[-1], 3, 17, 262144, 1, False)  # the streamed output is the right one
 
 
 def unpack(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

@@ -20,12 +20,12 @@ from kvserve.kernels.cpu import CpuKernels, cpu_kernels
 from kvserve.kernels.q5 import q5_blocks, q5_dequantize
 from kvserve.models import Gemma3Config, Gemma3ForCausalLM, loader, packed, quant
 from kvserve.models.attention_ref import sequence_logits
-from kvserve.models.quant import serves_i8_head, serves_q5, vnni
+from kvserve.models.quant import serves_i8_head, serves_q5
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="q8 needs the C kernels")
 MODES = [("q8", torch.float32), ("q8+fp16", torch.float32)] + (
-    [("q8+bf16", torch.bfloat16)] if bf16_native() else []) + (
-    [("q8+int8", torch.bfloat16)] if vnni() else [])
+    [("q8+bf16", torch.bfloat16), ("q8+int8", torch.bfloat16)] if bf16_native() else
+    [("q8+int8", torch.float32)])
 IDS = [2, 17, 99, 5, 250, 31, 64, 8, 120, 77, 13, 200, 150, 42, 9, 11, 23, 180, 55, 3]
 
 

@@ -40,6 +40,7 @@ def _isa_flags() -> list[str]:
         return []
     flags = cpu_flags()
     off = [] if "avx512f" in flags else ["-mno-avx512f"]
+    off += [] if "avx_vnni" in flags else ["-mno-avxvnni"]  # 256-bit VNNI, apart from AVX-512's
     return off + ([] if {"avx2", "fma"} <= flags else ["-mno-avx2", "-mno-fma"])
 
 

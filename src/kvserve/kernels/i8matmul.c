@@ -1,5 +1,5 @@
 /* x @ W.T with both sides in int8 blocks of 32 (llama.cpp's Q8_0 x Q8_0), for steps of many
- * rows on CPUs with VNNI.
+ * rows.
  *
  * From ~16 rows a step computes rather than reads, and the rate of its dot products decides:
  * bf16 (vdpbf16ps) multiplies 32 pairs an AVX-512 instruction, int16 (vpdpwssd, qmatmul.c)
@@ -22,8 +22,10 @@
  * (48 x K bytes) stay in L1 while every row tile passes over them.
  *
  * Paths, by the compiler's feature macros (cpu.py builds with -march=native per CPU feature
- * set): AVX-512 VNNI, AVX-VNNI (256-bit: each 16-column vector as two halves), and a plain
- * loop for every other CPU (correct and slow: quant.py serves this form only where VNNI is).
+ * set): AVX-512 VNNI, AVX-VNNI (256-bit: each 16-column vector as two halves), AVX2 (no
+ * int8 dot product instruction: vpmaddubsw and vpmaddwd, same sums; 1.15-1.2x our int16
+ * Q8_0 kernel from 32 rows on a Zen 5 held to AVX2), and a plain loop for CPUs without
+ * AVX2 (correct and slow; quant.py serves no q8 mode there).
  */
 #include <math.h>
 #include <omp.h>
@@ -68,6 +70,14 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, int32_t *co
     }
 }
 
+/* Whether y, float32 and much larger than the caches (the LM head's logits: 32 rows are
+ * 33 MB), is written past them: each 64-byte piece would otherwise be read in before it is
+ * written, which took 45% of the head's time at 32 rows on a Zen 5 (AVX-512 VNNI) and 25%
+ * on AVX2. */
+static int streams(int M, int64_t N, int bf16, const void *y) {
+    return !bf16 && (int64_t)M * N * 4 > (16 << 20) && (uintptr_t)y % 64 == 0;
+}
+
 #if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
 #include <immintrin.h>
 #define INLINE static inline __attribute__((always_inline))
@@ -86,6 +96,7 @@ typedef __m512 fvec;
 #define FMUL _mm512_mul_ps
 #define FMA _mm512_fmadd_ps
 #define STORE_F _mm512_storeu_ps
+#define STREAM_F _mm512_stream_ps
 /* 16 floats to bf16, rounded to nearest even (as bf16.h's bf16_store, NaN aside). */
 INLINE void store_bf16(uint16_t *y, fvec v) {
     const __m512i u = _mm512_castps_si512(v);
@@ -107,6 +118,7 @@ typedef __m256 fvec;
 #define FMUL _mm256_mul_ps
 #define FMA _mm256_fmadd_ps
 #define STORE_F _mm256_storeu_ps
+#define STREAM_F _mm256_stream_ps
 INLINE void store_bf16(uint16_t *y, fvec v) {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -124,7 +136,8 @@ INLINE void store_bf16(uint16_t *y, fvec v) {
  * their corrections; y float32 or (bf16) bfloat16 with row stride ldy. R, V compile-time
  * constants, so the loops unroll into registers. */
 INLINE void tile(const int R, const int V, const uint8_t *w, const float *sw, const int8_t *x,
-                 const float *xd, const int32_t *xc, int K, int64_t ldy, void *y, int bf16) {
+                 const float *xd, const int32_t *xc, int K, int64_t ldy, void *y, int bf16,
+                 int stream) {
     const int nb = K / 32;
     fvec acc[TR][VC];
     for (int r = 0; r < R; r++)
@@ -158,36 +171,152 @@ INLINE void tile(const int R, const int V, const uint8_t *w, const float *sw, co
         for (int v = 0; v < V; v++) {
             if (bf16)
                 store_bf16((uint16_t *)y + r * ldy + v * VW, acc[r][v]);
+            else if (stream)
+                STREAM_F((float *)y + r * ldy + v * VW, acc[r][v]);
             else
                 STORE_F((float *)y + r * ldy + v * VW, acc[r][v]);
         }
 }
 
-#define TILE_CASE(R, V) case (R - 1) * VC + V - 1: tile(R, V, w, sw, x, xd, xc, K, ldy, y, bf16); break;
+#define TILE_CASE(R, V)                                                                     \
+    case (R - 1) * VC + V - 1: tile(R, V, w, sw, x, xd, xc, K, ldy, y, bf16, stream); break;
 #define TILE_ROWS(R) TILE_CASE(R, 1 * HALVES) TILE_CASE(R, 2 * HALVES) TILE_CASE(R, 3 * HALVES)
 static void tile_any(int R, int V, const uint8_t *w, const float *sw, const int8_t *x,
-                     const float *xd, const int32_t *xc, int K, int64_t ldy, void *y, int bf16) {
+                     const float *xd, const int32_t *xc, int K, int64_t ldy, void *y, int bf16,
+                     int stream) {
     switch ((R - 1) * VC + V - 1) { TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4) }
 }
 
+/* R rows against a column tile of nv stored vectors (xa: unused, see ABS_ROWS). */
+static void tile_cols(int R, int nv, const uint8_t *w, const float *sw, const int8_t *x,
+                      const int8_t *xa, const float *xd, const int32_t *xc, int K, int64_t ldy,
+                      void *y, int bf16, int stream) {
+    (void)xa;
+    tile_any(R, nv * HALVES, w, sw, x, xd, xc, K, ldy, y, bf16, stream);
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define INLINE static inline __attribute__((always_inline))
+#define ABS_ROWS 1 /* gemm reads each row's absolute values after the row (see below) */
+
+/* AVX2 has no vpdpbusd, and its vpmaddubsw (unsigned by signed bytes, pairs summed into
+ * int16 with saturation) would saturate on the stored weights (w + 128 up to 255, times
+ * activations up to 127). So llama.cpp's sign trick: the weights back to signed (w + 128
+ * xor 128), the activation's sign moved onto them (vpsignb), and |x| as the unsigned side:
+ * a pair of products is at most 2 * 127 * 128 < 2^15, so the int16 pairs are exact, and
+ * vpmaddwd by ones sums 4 products into each int32 lane as vpdpbusd does. The block sums
+ * are sum(w x) itself (no -128 * sum(x) correction), the same integers as the VNNI paths',
+ * so the results are bit for bit theirs.
+ *
+ * Tile: 4 rows by one stored vector (16 columns, two machine vectors): 8 int32 sums stay
+ * in registers through a block; the float sums live in memory (16 registers hold no more),
+ * one load and store each a block against its 32 multiply-adds. */
+INLINE __m256i dot2(__m256i acc, __m256i w, __m256i x, __m256i ax) {
+    const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w, x));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+/* y[r][0..15] for R rows against stored vector v of a tile of nvt vectors at w. */
+INLINE void tile2(const int R, const uint8_t *w, int nvt, int v, const float *sw,
+                  const int8_t *x, const int8_t *xa, const float *xd, int K, int64_t ldy,
+                  void *y, int bf16, int stream) {
+    const int nb = K / 32;
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    float acc[TR][LANES] __attribute__((aligned(32))) = {{0}};
+    for (int b = 0; b < nb; b++) {
+        __m256i s[TR][2];
+        for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+        for (int k = 0; k < 8; k++) {
+            const uint8_t *wk = w + ((int64_t)(b * 8 + k) * nvt + v) * LANES * 4;
+            const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)wk), flip);
+            const __m256i w1 =
+                _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wk + 32)), flip);
+            for (int r = 0; r < R; r++) {
+                int32_t word, aword;
+                memcpy(&word, x + (int64_t)r * K + b * 32 + 4 * k, 4);
+                memcpy(&aword, xa + (int64_t)r * K + b * 32 + 4 * k, 4);
+                const __m256i xv = _mm256_set1_epi32(word), ax = _mm256_set1_epi32(aword);
+                s[r][0] = dot2(s[r][0], w0, xv, ax);
+                s[r][1] = dot2(s[r][1], w1, xv, ax);
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_loadu_ps(sw + (int64_t)v * nb * LANES + b * LANES + 8 * h);
+            for (int r = 0; r < R; r++) {
+                const __m256 sc = _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b]));
+                _mm256_store_ps(acc[r] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), sc,
+                                                                _mm256_load_ps(acc[r] + 8 * h)));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (stream) { /* float32, 32-byte aligned: past the caches (see gemm) */
+            float *yr = (float *)y + r * ldy;
+            _mm256_stream_ps(yr, _mm256_load_ps(acc[r]));
+            _mm256_stream_ps(yr + 8, _mm256_load_ps(acc[r] + 8));
+            continue;
+        }
+        for (int c = 0; c < LANES; c++) {
+            if (bf16)
+                ((uint16_t *)y)[r * ldy + c] = bf16_store(acc[r][c]);
+            else
+                ((float *)y)[r * ldy + c] = acc[r][c];
+        }
+    }
+}
+
+static void tile2_any(int R, const uint8_t *w, int nvt, int v, const float *sw,
+                      const int8_t *x, const int8_t *xa, const float *xd, int K, int64_t ldy,
+                      void *y, int bf16, int stream) {
+    switch (R) {
+    case 1: tile2(1, w, nvt, v, sw, x, xa, xd, K, ldy, y, bf16, stream); break;
+    case 2: tile2(2, w, nvt, v, sw, x, xa, xd, K, ldy, y, bf16, stream); break;
+    case 3: tile2(3, w, nvt, v, sw, x, xa, xd, K, ldy, y, bf16, stream); break;
+    default: tile2(4, w, nvt, v, sw, x, xa, xd, K, ldy, y, bf16, stream);
+    }
+}
+
+/* R rows against a column tile of nv stored vectors, one stored vector at a time (xc:
+ * unused, the sums need no correction). */
+static void tile_cols(int R, int nv, const uint8_t *w, const float *sw, const int8_t *x,
+                      const int8_t *xa, const float *xd, const int32_t *xc, int K, int64_t ldy,
+                      void *y, int bf16, int stream) {
+    (void)xc;
+    for (int v = 0; v < nv; v++)
+        tile2_any(R, w, nv, v, sw, x, xa, xd, K, ldy, (char *)y + v * LANES * (bf16 ? 2 : 4),
+                  bf16, stream);
+}
+#endif
+
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__) || defined(__AVX2__)
 /* Every thread of the caller's parallel region takes its share of the column tiles. */
 static void gemm(const uint8_t *w, const float *sw, const int8_t *xq, const float *xd,
                  const int32_t *xc, int M, int64_t N, int K, void *y, int bf16) {
-    const int nb = K / 32;
+    const int nb = K / 32, stream = streams(M, N, bf16, y);
     const int64_t vectors = N / LANES, tiles = (vectors + TC - 1) / TC, esize = bf16 ? 2 : 4;
+    const int64_t bytes = (int64_t)TC * LANES * K; /* a full tile's weights */
     for (int m0 = 0; m0 < M; m0 += MBLOCK) {
         const int m1 = m0 + MBLOCK < M ? m0 + MBLOCK : M;
+        const int64_t slice = bytes / ((m1 - m0 + TR - 1) / TR) + 64;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t v0 = t * TC;
             const int nv = vectors - v0 < TC ? (int)(vectors - v0) : TC;
-            for (int m = m0; m < m1; m += TR)
-                tile_any(m1 - m < TR ? m1 - m : TR, nv * HALVES, w + v0 * K * LANES,
-                         sw + v0 * nb * LANES, xq + (int64_t)m * K, xd + (int64_t)m * nb,
-                         xc + (int64_t)m * nb, K, N, (char *)y + (m * N + v0 * LANES) * esize,
-                         bf16);
+            const uint8_t *next = w + (v0 + TC) * K * LANES;
+            for (int m = m0; m < m1; m += TR) {
+                /* The next tile's weights (from memory where N is large, as the LM head's)
+                 * are fetched a slice a row tile while this one computes. */
+                const int64_t o0 = (m - m0) / TR * slice;
+                for (int64_t o = o0; t + 1 < tiles && o < o0 + slice && o < bytes; o += 64)
+                    __builtin_prefetch(next + o);
+                tile_cols(m1 - m < TR ? m1 - m : TR, nv, w + v0 * K * LANES,
+                          sw + v0 * nb * LANES, xq + (int64_t)m * K, xq + (int64_t)(M + m) * K,
+                          xd + (int64_t)m * nb, xc + (int64_t)m * nb, K, N,
+                          (char *)y + (m * N + v0 * LANES) * esize, bf16, stream);
+            }
         }
     }
+    if (stream) _mm_sfence(); /* the streamed stores are seen before the region ends */
 }
 #else
 /* The plain path: the same integer sums, one column at a time. */
@@ -236,7 +365,7 @@ int kvs_i8_matmul(const uint8_t *w, const float *sw, const void *x, int64_t ldx,
     if (K % 32 || N % LANES || M < 0) return 1;
     if (M == 0 || N == 0) return 0;
     const int nb = K / 32;
-    int8_t *xq = malloc((size_t)M * K);
+    int8_t *xq = malloc((size_t)2 * M * K); /* the rows, then (ABS_ROWS) their absolute values */
     float *xd = malloc((size_t)M * nb * sizeof(float));
     int32_t *xc = malloc((size_t)M * nb * sizeof(int32_t));
     float *rows = malloc((size_t)threads * K * sizeof(float));
@@ -250,6 +379,10 @@ int kvs_i8_matmul(const uint8_t *w, const float *sw, const void *x, int64_t ldx,
                 load_row(x, m * ldx, row, K, bf16);
                 quantize_row(row, K, xq + (int64_t)m * K, xd + (int64_t)m * nb,
                              xc + (int64_t)m * nb);
+#ifdef ABS_ROWS
+                for (int k = 0; k < K; k++)
+                    xq[(int64_t)(M + m) * K + k] = (int8_t)abs(xq[(int64_t)m * K + k]);
+#endif
             }
             gemm(w, sw, xq, xd, xc, M, N, K, y, bf16);
         }

@@ -26,14 +26,14 @@ re-quantized from the GGUF's dequantized values.
   of up to 8 rows (4 with AMX), and a packed bf16 copy (every weight rounded to bf16,
   activations too; Bf16Gemm: our kernel on AMX's tiles or AVX-512 BF16 vectors, else
   oneDNN) for larger ones, where native bf16 dot products beat our int16 kernel.
-- q8+int8 (on request, where the CPU has VNNI): the q8 copy for steps of up to 16 rows,
+- q8+int8 (on request): the q8 copy for steps of up to 16 rows,
   and above them both sides in int8 blocks of 32 (llama.cpp's Q8_0 x Q8_0: the weights as
   Q8_0, each activation block rounded to int8 at each call; kernels/i8matmul.c). 1.3-1.6x
   the bf16 GEMM at 32 rows; 2.25 bytes a weight for both copies. The rounded activations
   cost quality (docs/benchmarks.md), so auto does not pick it.
-- The LM head, where the CPU has VNNI, in every q8 mode but q8+bf16 with AMX: as q8+int8
-  serves a linear (the Q8_0 copy up to 16 rows, int8 blocks above; serves_i8_head has the
-  measurements).
+- The LM head, where the CPU has VNNI or only AVX2 (i8_fast), in every q8 mode but q8+bf16
+  with AMX: as q8+int8 serves a linear (the Q8_0 copy up to 16 rows, int8 blocks above;
+  serves_i8_head has the measurements).
 - fp16: every weight rounded to float16 (11 significant bits, far finer than the 4-8 bits
   the file ships); activations and sums in float32. Top-1 agreement with the float32 model
   99.98%, same perplexity (ShareGPT text, 6144 tokens).
@@ -98,9 +98,6 @@ def resolve_quantization(mode: str, device: torch.device, source_types: list[str
     if mode.startswith("q8") and cpu_kernels() is None:
         raise ValueError(f"quantization {mode} needs kvserve's C kernels, which did not "
                          "build here")
-    if mode == "q8+int8" and not vnni():
-        raise ValueError("quantization q8+int8 needs a CPU with int8 dot products (AVX-512 "
-                         "VNNI or AVX-VNNI); this one has neither: use q8")
     if mode == "q8+bf16" and not bf16_native():
         raise ValueError("quantization q8+bf16 needs a CPU that computes bf16 natively "
                          "(AVX-512 BF16 or AMX); this one has neither: use q8")
@@ -283,10 +280,15 @@ class Q5Linear(BlockLinear):
         return None if linear.inexact else linear
 
 
-def vnni() -> bool:
-    """Whether this CPU has int8 dot products (AVX-512 VNNI or AVX-VNNI), which I8Linear's
-    kernel needs to be fast (its plain path is only a fallback)."""
-    return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
+def i8_fast() -> bool:
+    """Whether I8Linear's kernel runs steps of many rows faster than Q8Linear's int16 one
+    here: with int8 dot products (AVX-512 VNNI or AVX-VNNI), and on plain AVX2, where
+    vpmaddubsw and vpmaddwd give 1.15-1.2x the int16 kernel from 32 rows (a Zen 5 held to
+    AVX2; docs/benchmarks.md). Not on AVX-512 without VNNI (not measured: there the int16
+    kernel has vectors twice the width of i8matmul.c's AVX2 path)."""
+    flags = cpu_flags()
+    return bool({"avx512_vnni", "avx_vnni"} & flags) or (
+        "avx2" in flags and "avx512bw" not in flags)
 
 
 def amx() -> bool:
@@ -298,8 +300,9 @@ def amx() -> bool:
 class I8Linear(BlockLinear):
     """Both sides in int8 blocks of 32 (llama.cpp's Q8_0 x Q8_0, kernels/i8matmul.c): the
     weights rounded as Q8_0 once, each activation block of 32 at every call, products summed
-    by VNNI's vpdpbusd, 64 an AVX-512 instruction where bf16 and int16 do 32. For steps that
-    compute more than they read (more than SMALL rows). The output columns must be a multiple
+    by VNNI's vpdpbusd, 64 an AVX-512 instruction where bf16 and int16 do 32 (on AVX2 by
+    vpmaddubsw and vpmaddwd, to the same integers). For steps that compute more than they
+    read (more than SMALL rows). The output columns must be a multiple
     of 16 (Gemma 3's, Llama's and SmolLM2's all are)."""
 
     KIND = "i8"
@@ -494,8 +497,8 @@ def fp16_split(small: BlockLinear) -> QuantLinear:
 
 
 class Q8I8Linear(SplitLinear):
-    """Q8_0 for steps of up to SMALL rows, int8 blocks on both sides (I8Linear) above, on
-    CPUs with VNNI: 1.3-1.6x oneDNN's bf16 GEMM for Gemma 3 270M's shapes at 32 rows, and
+    """Q8_0 for steps of up to SMALL rows, int8 blocks on both sides (I8Linear) above: with
+    VNNI 1.3-1.6x oneDNN's bf16 GEMM for Gemma 3 270M's shapes at 32 rows, and
     2.25 bytes a weight for both copies (q8+bf16: 3.125). The large steps' activations are
     rounded to 8 bits (per block of 32, as llama.cpp does), which costs some quality:
     docs/benchmarks.md has top-1 agreement and perplexity."""
@@ -565,7 +568,7 @@ def from_packed(mode: str, parts: dict[str, torch.Tensor], in_features: int) -> 
 
 def serves_i8_head(mode: str, out_features: int) -> bool:
     """Whether a q8 mode serves the LM head as q8+int8 does (Q8_0 up to 16 rows, int8
-    blocks on both sides above): where the CPU has VNNI, but not q8+bf16 where it has AMX.
+    blocks on both sides above): where i8_fast, but not q8+bf16 where the CPU has AMX.
     Above 16 rows the head computes, and int8 blocks run it 1.5x oneDNN's bf16 at 32 rows
     (3-6x our int16 kernel) with top-1 agreement 98.80% against bf16's 98.62% (the head's
     Q8_0 weights stay exact; bf16 rounds them); up to 16 rows the int16 activations keep
@@ -579,7 +582,7 @@ def serves_i8_head(mode: str, out_features: int) -> bool:
     7.945 against 7.949), for 146 MB more (oneDNN's blocked copy against the int8 one)."""
     if mode == "q8+bf16" and amx():
         return False
-    return mode.startswith("q8") and vnni() and out_features % CpuKernels.I8_LANES == 0
+    return mode.startswith("q8") and i8_fast() and out_features % CpuKernels.I8_LANES == 0
 
 
 def layer_mode(mode: str, out_features: int, head: bool = False) -> str:
