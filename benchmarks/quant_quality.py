@@ -21,7 +21,7 @@ from kvserve.cpu_features import bf16_native, summary
 from kvserve.datasets.sharegpt import load_conversations
 from kvserve.models import Gemma3ForCausalLM, load_model_files, quant
 from kvserve.models.attention_ref import sequence_logits
-from kvserve.models.quant import Q5Linear, Q8Bf16Linear, Q8I8Linear
+from kvserve.models.quant import Q5Linear, Q8Bf16Linear, Q8I8Linear, Q8Linear
 
 VARIANTS = {
     "none (float32)": dict(quantization="none"),
@@ -31,6 +31,9 @@ VARIANTS = {
     # The tied head re-quantized to Q5_0 from the file's Q8_0 embedding: reads 0.61x the
     # bytes of the largest matrix, at a cost in quality measured here.
     "q8, Q5_0 head": dict(quantization="q8", head="q5"),
+    # The head as Q8_0 at every step size: what q8 served before the head took int8 blocks
+    # above 16 rows on AVX2-only CPUs too (serves_i8_head).
+    "q8, Q8_0 head": dict(quantization="q8", head="q8"),
     # CPUs with native bf16 only: Q8_0 for steps of <= 16 rows, bf16 GEMM above (so here,
     # whole texts at once, the bf16 copy: weights and activations rounded to bf16).
     "q8+bf16 (bf16 GEMM)": dict(quantization="q8+bf16"),
@@ -102,6 +105,8 @@ def main() -> None:
             m.quantize(kw["quantization"])
         if kw.get("head") == "q5":
             m.quant_head = Q5Linear(m.model.embed_tokens.weight)
+        elif kw.get("head") == "q8":
+            m.quant_head = Q8Linear(m.model.embed_tokens.weight)
         elif kw.get("head") == "i8":
             m.quant_head = Q8I8Linear(m.model.embed_tokens.weight)
         elif kw.get("head") == "bf16":

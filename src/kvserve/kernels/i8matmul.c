@@ -70,12 +70,12 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, int32_t *co
     }
 }
 
-/* Whether y, float32 and much larger than the caches (the LM head's logits: 32 rows are
- * 33 MB), is written past them: each 64-byte piece would otherwise be read in before it is
- * written, which took 45% of the head's time at 32 rows on a Zen 5 (AVX-512 VNNI) and 25%
- * on AVX2. */
+/* Whether y, much larger than the caches (the LM head's logits: 32 rows are 33 MB in
+ * float32), is written past them: each 64-byte piece would otherwise be read in before it
+ * is written. The head took 9-15% less time so (17-64 rows, float32 and bf16, a Zen 5 with
+ * AVX-512 VNNI; 13% at 32 rows held to AVX2). */
 static int streams(int M, int64_t N, int bf16, const void *y) {
-    return !bf16 && (int64_t)M * N * 4 > (16 << 20) && (uintptr_t)y % 64 == 0;
+    return (int64_t)M * N * (bf16 ? 2 : 4) > (8 << 20) && (uintptr_t)y % 64 == 0;
 }
 
 #if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
@@ -98,12 +98,14 @@ typedef __m512 fvec;
 #define STORE_F _mm512_storeu_ps
 #define STREAM_F _mm512_stream_ps
 /* 16 floats to bf16, rounded to nearest even (as bf16.h's bf16_store, NaN aside). */
-INLINE void store_bf16(uint16_t *y, fvec v) {
+INLINE __m256i bf16_bits(fvec v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
+#define STORE_H(y, v) _mm256_storeu_si256((__m256i *)(y), bf16_bits(v))
+#define STREAM_H(y, v) _mm256_stream_si256((__m256i *)(y), bf16_bits(v))
 #else
 typedef __m256i ivec;
 typedef __m256 fvec;
@@ -119,14 +121,15 @@ typedef __m256 fvec;
 #define FMA _mm256_fmadd_ps
 #define STORE_F _mm256_storeu_ps
 #define STREAM_F _mm256_stream_ps
-INLINE void store_bf16(uint16_t *y, fvec v) {
+INLINE __m128i bf16_bits(fvec v) {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     const __m256i r = _mm256_srli_epi32(
         _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-    _mm_storeu_si128((__m128i *)y, _mm_packus_epi32(_mm256_castsi256_si128(r),
-                                                    _mm256_extracti128_si256(r, 1)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
+#define STORE_H(y, v) _mm_storeu_si128((__m128i *)(y), bf16_bits(v))
+#define STREAM_H(y, v) _mm_stream_si128((__m128i *)(y), bf16_bits(v))
 #endif
 #define VW (LANES / HALVES) /* columns per machine vector */
 #define VC (TC * HALVES)    /* machine vectors per tile */
@@ -169,8 +172,10 @@ INLINE void tile(const int R, const int V, const uint8_t *w, const float *sw, co
     }
     for (int r = 0; r < R; r++)
         for (int v = 0; v < V; v++) {
-            if (bf16)
-                store_bf16((uint16_t *)y + r * ldy + v * VW, acc[r][v]);
+            if (bf16 && stream)
+                STREAM_H((uint16_t *)y + r * ldy + v * VW, acc[r][v]);
+            else if (bf16)
+                STORE_H((uint16_t *)y + r * ldy + v * VW, acc[r][v]);
             else if (stream)
                 STREAM_F((float *)y + r * ldy + v * VW, acc[r][v]);
             else
@@ -250,7 +255,7 @@ INLINE void tile2(const int R, const uint8_t *w, int nvt, int v, const float *sw
         }
     }
     for (int r = 0; r < R; r++) {
-        if (stream) { /* float32, 32-byte aligned: past the caches (see gemm) */
+        if (stream && !bf16) { /* past the caches (see streams); bf16 rows as below */
             float *yr = (float *)y + r * ldy;
             _mm256_stream_ps(yr, _mm256_load_ps(acc[r]));
             _mm256_stream_ps(yr + 8, _mm256_load_ps(acc[r] + 8));
