@@ -27,6 +27,7 @@ import warnings
 import torch
 
 from kvserve.cpu_features import summary
+from kvserve.engine.heap import keep_large_blocks
 from kvserve.models.quant import Bf16Gemm, I8Linear, Q5Linear, pack_weight, quantized
 
 SHAPES = {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048),
@@ -124,6 +125,7 @@ MAKERS = {
     "bf16 packed": bf16_packed_linear,
     "bf16 kernel": kernel_linear,
     "int8 blocks": i8_linear,
+    "int8 blocks f32": I8Linear,  # the same, float32 rows (the LM head on AVX2-only CPUs)
     "onednn int8": onednn_int8_linear,
     # the same with the first 128 input channels in bf16 (in the model: the 128 largest of
     # the final norm's gains; which ones does not change the speed)
@@ -169,6 +171,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_large_blocks()  # as the engine does: outputs past 32 MiB are not page-faulted in
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     only = set(filter(None, args.only.split(","))) | {"f32", "fbgemm fp16"}
