@@ -7,6 +7,7 @@
     python benchmarks/offline_throughput.py capacity     # concurrent requests: jenga vs uniform
     python benchmarks/offline_throughput.py gemms --num-prompts 32   # AMX kernel vs oneDNN
     python benchmarks/offline_throughput.py window-only --prefill 8000  # TTFT, on vs off
+    python benchmarks/offline_throughput.py prefill --prefill 8000  # where a prompt's time goes
     add --json to print one JSON object
 
 Peers on this machine (2 cores) for the fixed workload, from the issue:
@@ -447,6 +448,44 @@ def attention(args: argparse.Namespace) -> dict:
             **spread(rounds)}
 
 
+def prefill(args: argparse.Namespace) -> dict:
+    """Where a fresh --prefill L-token prompt's time to its first token goes (default 8000):
+    projections, attention and the rest (norms, RoPE, the head's one row, the engine), in
+    s, the layers timed module by module; 3 prompts of random ids."""
+    from kvserve.models.fused_layers import FusedLayers
+    from kvserve.models.layers import Linear
+    from kvserve.models.paged_attention import PagedAttention
+
+    engine = load(args, 1 << 30)
+    warm(engine)
+    totals = {"projections": 0.0, "attention": 0.0}
+    patches = [(Linear, "forward", "projections"), (PagedAttention, "__call__", "attention"),
+               (FusedLayers, "__call__", None)]
+    originals = [(cls, name, getattr(cls, name)) for cls, name, _ in patches]
+    rows = []
+    try:
+        for cls, name, key in patches:
+            setattr(cls, name, _module_by_module if key is None
+                    else _timed(totals, key, getattr(cls, name)))
+        gen = torch.Generator().manual_seed(1)
+        for i in range(3):
+            totals.update(dict.fromkeys(totals, 0.0))
+            prompt = torch.randint(10, 200_000, (args.prefill or 8000,), generator=gen).tolist()
+            t0 = time.perf_counter()
+            engine.add_request(f"split{i}", {"prompt_token_ids": prompt},
+                               SamplingParams(temperature=0, max_tokens=1))
+            while engine.has_unfinished():
+                engine.step()
+            total = time.perf_counter() - t0
+            rows.append({**{k: round(v, 2) for k, v in totals.items()},
+                         "rest": round(total - sum(totals.values()), 2), "total": round(total, 2)})
+    finally:
+        for cls, name, fn in originals:
+            setattr(cls, name, fn)
+    return {"cpu": summary(), "dtype": str(engine.model.dtype),
+            "prefill_tokens": args.prefill or 8000, "prompts": rows}
+
+
 def window_only(args: argparse.Namespace) -> dict:
     """Time to the first token of fresh --prefill L-token prompts (default 2048) with the
     memory core's window_only on (a sliding layer's keys no later step reads get step
@@ -472,7 +511,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["fixed", "sharegpt", "step", "capacity", "breakdown",
-                                     "gemms", "attention", "window-only"])
+                                     "gemms", "attention", "prefill", "window-only"])
     ap.add_argument("--model", default=None, help="as kvserve serve's --model")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
@@ -488,11 +527,11 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="fixed: sample (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="fixed: with --temperature")
     ap.add_argument("--prefill", type=int, default=0,
-                    help="gemms, attention, window-only: time a prompt this long")
+                    help="gemms, attention, prefill, window-only: time a prompt this long")
     args = ap.parse_args()
     run = {"fixed": fixed, "sharegpt": sharegpt, "step": decode_step, "capacity": capacity,
            "breakdown": breakdown, "gemms": gemms, "attention": attention,
-           "window-only": window_only}
+           "prefill": prefill, "window-only": window_only}
     result = run[args.what](args)
     print(json.dumps(result, indent=2))
 
