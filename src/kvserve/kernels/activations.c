@@ -7,6 +7,12 @@
  * it (gelu's result, then the product), so results differ only where this exp's last ulp
  * differs from the library's tanh and survives that rounding.
  */
+/* Without AVX-512's masks GCC vectorises the selects below (and exp_le0's) only if float
+ * compares may not trap: with traps assumed, the AVX2 build ran these loops one value at
+ * a time (5.6% of an AVX2 batch-32 run). Results do not change: no value is computed
+ * otherwise, only both sides of a select where one was. */
+#pragma GCC optimize("no-trapping-math")
+
 #include <math.h>
 
 #include "bf16.h"
@@ -16,14 +22,13 @@
 static inline float gelu_tanh(float x) {
     const float u = 0.7978845608f * (x + 0.044715f * (x * x * x));
     const float e = exp_le0(-2.f * fabsf(u));
-    const float s = u >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-    return x * s;
+    return x * ((u >= 0.f ? 1.f : e) / (1.f + e)); /* one division: no branch to vectorise */
 }
 
 /* x sigmoid(x), the sigmoid from e = e^(-|x|) <= 1 as above. */
 static inline float silu(float x) {
     const float e = exp_le0(-fabsf(x));
-    return x * (x >= 0.f ? 1.f / (1.f + e) : e / (1.f + e));
+    return x * ((x >= 0.f ? 1.f : e) / (1.f + e));
 }
 
 /* out[t][:I] = act(x[t][:I]) * x[t][I:2I]; rows of x are 2I long, out contiguous. `use_silu`
