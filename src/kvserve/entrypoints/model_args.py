@@ -23,7 +23,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "GGUF on a CPU (q8+bf16 where bf16 runs natively: Q8_0 for "
                         "decode, bf16 for batches; else q8+fp16: Q8_0, and fp16 for "
                         "the batches this CPU runs faster so); q8 keeps Q8_0 alone; "
-                        "q8+int8 (VNNI CPUs, on request) int8 blocks for batches: faster, "
+                        "q8+int8 (on request) int8 blocks for batches: faster, "
                         "a little less exact; none serves them in --dtype")
     p.add_argument("--kv-backend", default="paged", choices=["paged", "vtensor"],
                    help="where KV data lives: paged (one pool of pages, paged attention) or "

@@ -44,6 +44,16 @@ def _isa_flags() -> list[str]:
     return off + ([] if {"avx2", "fma"} <= flags else ["-mno-avx2", "-mno-fma"])
 
 
+@functools.cache
+def _accepts(compiler: str, flag: str) -> bool:
+    """Whether the compiler takes this option. An ISA a compiler does not know (GCC 10 has no
+    -mno-avxvnni) is one -march=native never turns on there, so dropping its -mno- is
+    safe."""
+    probe = subprocess.run([compiler, flag, "-fsyntax-only", "-x", "c", os.devnull],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
 def _build(compiler: str, flags: list[str]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=True).stdout
@@ -559,9 +569,10 @@ def cpu_kernels(extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
         warnings.warn("kvserve: no C compiler found; CPU kernels: using PyTorch ops",
                       stacklevel=2)
         return None
+    flags = [f for f in [*_FLAGS, *_isa_flags(), *extra_flags]
+             if not f.startswith("-mno-") or _accepts(compiler, f)]
     try:
-        return CpuKernels(ctypes.CDLL(str(_build(compiler,
-                                                 [*_FLAGS, *_isa_flags(), *extra_flags]))))
+        return CpuKernels(ctypes.CDLL(str(_build(compiler, flags))))
     except (OSError, subprocess.CalledProcessError) as err:
         detail = getattr(err, "stderr", "") or err
         warnings.warn(f"kvserve: CPU kernels did not build ({detail}); using PyTorch ops",

@@ -300,6 +300,7 @@ static void gemm(const uint8_t *w, const float *sw, const int8_t *xq, const floa
     const int nb = K / 32, stream = streams(M, N, bf16, y);
     const int64_t vectors = N / LANES, tiles = (vectors + TC - 1) / TC, esize = bf16 ? 2 : 4;
     const int64_t bytes = (int64_t)TC * LANES * K; /* a full tile's weights */
+    const int64_t total = vectors * LANES * K;      /* all of them */
     for (int m0 = 0; m0 < M; m0 += MBLOCK) {
         const int m1 = m0 + MBLOCK < M ? m0 + MBLOCK : M;
         const int64_t slice = bytes / ((m1 - m0 + TR - 1) / TR) + 64;
@@ -307,13 +308,13 @@ static void gemm(const uint8_t *w, const float *sw, const int8_t *xq, const floa
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t v0 = t * TC;
             const int nv = vectors - v0 < TC ? (int)(vectors - v0) : TC;
-            const uint8_t *next = w + (v0 + TC) * K * LANES;
+            /* The next tile's weights (from memory where N is large, as the LM head's) are
+             * fetched a slice a row tile while this one computes. */
+            const int64_t at = (v0 + TC) * K * LANES, ahead = total - at < bytes ? total - at : bytes;
             for (int m = m0; m < m1; m += TR) {
-                /* The next tile's weights (from memory where N is large, as the LM head's)
-                 * are fetched a slice a row tile while this one computes. */
                 const int64_t o0 = (m - m0) / TR * slice;
-                for (int64_t o = o0; t + 1 < tiles && o < o0 + slice && o < bytes; o += 64)
-                    __builtin_prefetch(next + o);
+                for (int64_t o = o0; o < o0 + slice && o < ahead; o += 64)
+                    __builtin_prefetch(w + at + o);
                 tile_cols(m1 - m < TR ? m1 - m : TR, nv, w + v0 * K * LANES,
                           sw + v0 * nb * LANES, xq + (int64_t)m * K, xq + (int64_t)(M + m) * K,
                           xd + (int64_t)m * nb, xc + (int64_t)m * nb, K, N,
