@@ -191,17 +191,23 @@ def test_q8_int8_reads_q8_for_a_few_rows_and_int8_blocks_for_batches() -> None:
     assert isinstance(quantized(w5, "q8+int8").i8, I8Linear)
 
 
-@pytest.mark.parametrize(("flags", "i8_in"), [
-    ({"avx2", "avx512_vnni"}, {"q8", "q8+bf16", "q8+int8"}),
-    ({"avx2", "avx512_vnni", "amx_bf16"}, {"q8", "q8+int8"}),  # q8+bf16: its bf16 copy
-    ({"avx2"}, {"q8", "q8+bf16", "q8+int8"}),  # i8matmul.c's AVX2 path beats int16 there
-    ({"avx2", "avx512bw"}, set()),  # AVX-512 without VNNI: the int16 kernel's wider vectors
+ALL_Q8 = {"q8", "q8+bf16", "q8+int8"}
+
+
+@pytest.mark.parametrize(("flags", "measured", "i8_in"), [
+    ({"avx2", "fma", "avx512_vnni"}, False, ALL_Q8),  # VNNI: not measured
+    ({"avx2", "fma", "avx512_vnni", "amx_bf16"}, False, {"q8", "q8+int8"}),  # its bf16 copy
+    ({"avx2", "fma"}, True, ALL_Q8),  # AVX2: where i8matmul.c measured faster than int16
+    ({"avx2", "fma"}, False, set()),
+    ({"avx2", "fma", "avx512bw"}, True, set()),  # no VNNI: the int16 kernel's wider vectors
 ])
 def test_the_head_takes_int8_blocks_where_they_are_the_fastest_batch_copy(
-        monkeypatch: pytest.MonkeyPatch, flags: set[str], i8_in: set[str]) -> None:
+        monkeypatch: pytest.MonkeyPatch, flags: set[str], measured: bool,
+        i8_in: set[str]) -> None:
     import kvserve.models.quant as quant
 
     monkeypatch.setattr(quant, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(quant, "i8_wins", lambda: measured)
     for mode in ("q8", "q8+bf16", "q8+int8"):
         assert serves_i8_head(mode, 262144) == (mode in i8_in)
         assert not serves_i8_head(mode, 262144 + 8)  # i8matmul.c takes 16 columns at a time

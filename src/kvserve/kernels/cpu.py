@@ -49,8 +49,11 @@ def _accepts(compiler: str, flag: str) -> bool:
     """Whether the compiler takes this option. An ISA a compiler does not know (GCC 10 has no
     -mno-avxvnni) is one -march=native never turns on there, so dropping its -mno- is
     safe."""
-    probe = subprocess.run([compiler, flag, "-fsyntax-only", "-x", "c", os.devnull],
-                           capture_output=True)
+    try:
+        probe = subprocess.run([compiler, flag, "-fsyntax-only", "-x", "c", os.devnull],
+                               capture_output=True)
+    except OSError:  # no such compiler: the build that follows says so
+        return False
     return probe.returncode == 0
 
 

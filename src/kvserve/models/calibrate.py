@@ -1,5 +1,6 @@
 """From how many rows fbgemm's fp16 GEMM computes a weight shape faster than our Q8_0 kernel,
-measured on this CPU once and kept.
+and (on AVX2 without VNNI) whether int8 blocks on both sides run an LM head's batch steps
+faster than it, measured on this CPU once and kept.
 
 Which of the two wins a step of many rows depends on the core, not on its instruction set:
 on the AVX2-only EPYC (Zen 2/3 class, docs/benchmarks.md) the int16 multiply-adds of
@@ -45,11 +46,12 @@ SAMPLE_S = 0.01  # each at least this long (calls repeated): single calls of 0.1
 _ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
 
 
-def _key(out_features: int, in_features: int) -> str:
+def _key(out_features: int, in_features: int, large: str = "fp16") -> str:
     held = ",".join(f"{v}={os.environ[v]}" for v in _ISA_VARIABLES if os.environ.get(v))
+    shape = f"{out_features}x{in_features}" + ("" if large == "fp16" else f"|{large}")
     return "|".join((cpu_id(), ",".join(feature_set()), held,
                      f"threads={torch.get_num_threads()}", f"torch={torch.__version__}",
-                     f"q8_layout={CpuKernels.Q8_LAYOUT}", f"{out_features}x{in_features}"))
+                     f"q8_layout={CpuKernels.Q8_LAYOUT}", shape))
 
 
 def _file() -> Path:
@@ -87,15 +89,16 @@ def _write(key: str, small: int | None) -> None:
                 os.unlink(tmp)
 
 
-def measure(out_features: int, in_features: int,
-            row_counts: tuple[int, ...]) -> dict[int, tuple[float, float]]:
-    """Seconds a call of Q8_0 and of fp16 at each row count for this shape (random values:
-    neither kernel's time depends on them), both packed once."""
-    from kvserve.models.quant import Fp16Linear, Q8Linear  # (quant imports this module)
+def measure(out_features: int, in_features: int, row_counts: tuple[int, ...],
+            large: str = "fp16") -> dict[int, tuple[float, float]]:
+    """Seconds a call of Q8_0 and of the large steps' copy (fp16, or i8: int8 blocks on both
+    sides) at each row count for this shape (random values: neither kernel's time depends on
+    them), both packed once."""
+    from kvserve.models.quant import Fp16Linear, I8Linear, Q8Linear  # (quant imports us)
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(min(out_features, TIMED_OUT), in_features, generator=gen) * 0.05
-    kernels = (Q8Linear(w), Fp16Linear(w))
+    kernels = (Q8Linear(w), {"fp16": Fp16Linear, "i8": I8Linear}[large](w))
     return {rows: _timed(kernels, torch.randn(rows, in_features, generator=gen))
             for rows in row_counts}
 
@@ -135,10 +138,27 @@ def small_from(times: dict[int, tuple[float, float]]) -> int | None:
 def fp16_small(out_features: int, in_features: int) -> int | None:
     """The most rows Q8_0 serves for this shape in q8+fp16, fbgemm's fp16 above; None
     where fp16 is not faster here at any size timed. Measured once per CPU and kept."""
-    key = _key(out_features, in_features)
+    return _small(out_features, in_features, "fp16", ROWS)
+
+
+I8_SHAPE = (TIMED_OUT, 640)  # an LM head's rows (Gemma 3 270M's width): what the answer serves
+
+
+@functools.cache
+def i8_wins() -> bool:
+    """Whether int8 blocks on both sides (I8Linear) run an LM head's 32-row step at least
+    1/MARGIN times as fast as Q8_0 on this CPU: asked where neither has a clear edge by its
+    instruction set (AVX2 without VNNI: vpmaddubsw and vpmaddwd against Q8_0's vpmaddwd;
+    1.15-1.2x on a Zen 5 held to AVX2, not measured on a Zen 2 or 3). Measured once per CPU
+    and kept."""
+    return _small(*I8_SHAPE, "i8", (32,)) is not None
+
+
+def _small(out_features: int, in_features: int, large: str, rows: tuple[int, ...]) -> int | None:
+    key = _key(out_features, in_features, large)
     known = _read()
     if key in known:
         return known[key]
-    small = small_from(measure(out_features, in_features, ROWS))
+    small = small_from(measure(out_features, in_features, rows, large))
     _write(key, small)
     return small

@@ -55,7 +55,7 @@ from torch import nn
 
 from kvserve.cpu_features import bf16_native, cpu_flags
 from kvserve.kernels.cpu import CpuKernels, QMatmul, cpu_kernels
-from kvserve.models.calibrate import fp16_small
+from kvserve.models.calibrate import fp16_small, i8_wins
 
 QUANTIZATIONS = ("auto", "none", "q8", "q8+fp16", "q8+bf16", "q8+int8", "fp16", "int8")
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
@@ -282,13 +282,15 @@ class Q5Linear(BlockLinear):
 
 def i8_fast() -> bool:
     """Whether I8Linear's kernel runs steps of many rows faster than Q8Linear's int16 one
-    here: with int8 dot products (AVX-512 VNNI or AVX-VNNI), and on plain AVX2, where
-    vpmaddubsw and vpmaddwd give 1.15-1.2x the int16 kernel from 32 rows (a Zen 5 held to
-    AVX2; docs/benchmarks.md). Not on AVX-512 without VNNI (not measured: there the int16
-    kernel has vectors twice the width of i8matmul.c's AVX2 path)."""
+    here: with int8 dot products (AVX-512 VNNI or AVX-VNNI) always; on plain AVX2 where
+    measured so (calibrate.i8_wins: vpmaddubsw and vpmaddwd gave 1.15-1.2x the int16 kernel
+    from 32 rows on a Zen 5 held to AVX2; docs/benchmarks.md). Not on AVX-512 without VNNI
+    (not measured: there the int16 kernel has vectors twice the width of i8matmul.c's AVX2
+    path)."""
     flags = cpu_flags()
-    return bool({"avx512_vnni", "avx_vnni"} & flags) or (
-        "avx2" in flags and "avx512bw" not in flags)
+    if {"avx512_vnni", "avx_vnni"} & flags:
+        return True
+    return {"avx2", "fma"} <= flags and "avx512bw" not in flags and i8_wins()
 
 
 def amx() -> bool:
