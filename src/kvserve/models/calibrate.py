@@ -38,7 +38,7 @@ from kvserve.paths import default_cache_dir
 
 ROWS = (16, 32, 256)  # step sizes timed: decode batches and a prefill chunk
 MIN_SMALL = 16  # steps of up to this many rows stay on Q8_0
-MARGIN = 0.9  # fp16 must take at most this share of Q8_0's time: a second copy costs memory
+MARGIN = 0.9  # the second copy must take at most this share of Q8_0's time: it costs memory
 TIMED_OUT = 16384  # a larger shape (an LM head) is timed on this many of its output rows
 SAMPLES = 5  # timings a kernel a row count, alternating with the other's; the median counts
 SAMPLE_S = 0.01  # each at least this long (calls repeated): single calls of 0.1 ms are noise
@@ -122,13 +122,14 @@ def _timed(kernels: tuple, x: torch.Tensor) -> tuple[float, float]:
 
 
 def small_from(times: dict[int, tuple[float, float]]) -> int | None:
-    """The most rows Q8_0 should take, from (Q8_0, fp16) seconds at each timed row count:
-    fp16 takes every step above the largest count where it does not win by MARGIN (at
-    least above MIN_SMALL); None where it does not win at the largest count (no fp16 copy)."""
-    won = False  # fp16 won at every count above this one
+    """The most rows Q8_0 should take, from (Q8_0, second copy) seconds at each timed row
+    count: the second copy (fp16 or i8) takes every step above the largest count where it
+    does not win by MARGIN (at least above MIN_SMALL); None where it does not win at the
+    largest count (no second copy)."""
+    won = False  # the second copy won at every count above this one
     for rows in sorted(times, reverse=True):
-        q8, fp16 = times[rows]
-        if fp16 > MARGIN * q8:
+        q8, other = times[rows]
+        if other > MARGIN * q8:
             return max(rows, MIN_SMALL) if won else None
         won = True
     return MIN_SMALL

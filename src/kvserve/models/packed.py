@@ -5,11 +5,10 @@ means building the float32 model (fusing q/k/v and gate/up: ~1 s of copying on 2
 rounding every linear to Q8_0 blocks (for q8+int8 twice, in two layouts), and for q8+bf16
 casting the model and every weight to bf16 (~3.5 s in all for Gemma 3 270M; q8+fp16 saves
 q8's blocks and makes its fp16 copies from them at the first larger step). All of it is a
-function of the
-converted weights, the mode, the dtype and the Q8_0 layout, so the first start writes the
-result next to the converted weights, `packed-<mode>-<dtype>-v<format>.safetensors`, and
-later starts map that file:
-the packed blocks, the bf16 weights (the GEMM's own layout, AMX tiles or oneDNN's
+function of the converted weights, the mode, the dtype and the Q8_0 layout, so the first
+start writes the result next to the converted weights,
+`packed-<mode>-<dtype>-v<format>.safetensors`, and later starts map that file: the packed
+blocks, the bf16 weights (the GEMM's own layout, AMX tiles or oneDNN's
 blocking, is made from them on first use, see quant.Q8Bf16Linear) and every other
 parameter already in the serving dtype.
 

@@ -582,9 +582,10 @@ def serves_i8_head(mode: str, out_features: int) -> bool:
     rows (where the int8-block head still runs Q8_0), 18.7 against 28.2 at 64, level at 8
     and 32 (13.8 / 13.8, 16.9 / 17.7); agreement stays (98.68% against 98.83%, perplexity
     7.945 against 7.949), for 146 MB more (oneDNN's blocked copy against the int8 one).
-    On AVX2 (a Zen 5 held to it, float32): 40.7 against 46.8 ms at 32 rows, and the
-    batch-32 step 79 ms against 98; there the alternative is Q8_0 with int16 activations,
-    so top-1 agreement goes from 98.80% to 98.11% on whole texts (perplexity 8.056 both)."""
+    On AVX2 (a Zen 5 held to it, float32; calibrate.i8_wins asks each CPU): 33.9 against
+    40.0 ms at 32 rows, and the batch-32 step 79 ms against 98; there the alternative is
+    Q8_0 with int16 activations, so top-1 agreement goes from 98.80% to 98.11% on whole
+    texts (perplexity 8.056 both)."""
     if mode == "q8+bf16" and amx():
         return False
     return mode.startswith("q8") and i8_fast() and out_features % CpuKernels.I8_LANES == 0
