@@ -1,7 +1,7 @@
 """The row kernels a decode step calls per layer (kernels/norms.c, activations.c) at Gemma 3
-270M's shapes, µs a call, best of 5 loops of 300 calls, bfloat16 rows.
+270M's shapes, µs a call, best of 5 loops of 300 calls, bfloat16 rows (float32 with --dtype).
 
-    python benchmarks/row_kernels.py [--rows 1,8,32]
+    python benchmarks/row_kernels.py [--rows 1,8,32] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ def best_us(fn, calls: int = 300, loops: int = 5) -> float:
     return best
 
 
-def row(k, rows: int) -> list[float]:
-    """µs a call of each kernel at `rows` rows."""
-    bf = torch.bfloat16
+def row(k, rows: int, bf: torch.dtype) -> list[float]:
+    """µs a call of each kernel at `rows` rows of dtype bf."""
     gate_up = torch.randn(rows, 4096).to(bf)
     x, h, w = torch.randn(rows, 640).to(bf), torch.randn(rows, 640).to(bf), torch.randn(640)
     q, scale = torch.randn(rows, 4, 256).to(bf), torch.randn(4, 256)
@@ -41,6 +40,7 @@ def row(k, rows: int) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,8,32")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
     k = cpu_kernels()
     if k is None:
@@ -48,7 +48,8 @@ def main() -> None:
     print(f"cpu: {summary()}")
     print("| rows | gelu_mul (2 x 2048) | add_norm (640) | norm_rope (4 x 256) |")
     for rows in map(int, args.rows.split(",")):
-        print(f"| {rows} | " + " | ".join(f"{c:.1f}" for c in row(k, rows)) + " |")
+        cells = row(k, rows, getattr(torch, args.dtype))
+        print(f"| {rows} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
 
 
 if __name__ == "__main__":

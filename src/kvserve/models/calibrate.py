@@ -150,8 +150,8 @@ def i8_wins() -> bool:
     """Whether int8 blocks on both sides (I8Linear) run an LM head's 32-row step at least
     1/MARGIN times as fast as Q8_0 on this CPU: asked where neither has a clear edge by its
     instruction set (AVX2 without VNNI: vpmaddubsw and vpmaddwd against Q8_0's vpmaddwd;
-    1.15-1.2x on a Zen 5 held to AVX2, not measured on a Zen 2 or 3). Measured once per CPU
-    and kept."""
+    1.18x for the head at 32 rows on a Zen 5 held to AVX2, not measured on a Zen 2 or 3).
+    Measured once per CPU and kept."""
     return _small(*I8_SHAPE, "i8", (32,)) is not None
 
 

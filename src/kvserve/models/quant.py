@@ -283,10 +283,10 @@ class Q5Linear(BlockLinear):
 def i8_fast() -> bool:
     """Whether I8Linear's kernel runs steps of many rows faster than Q8Linear's int16 one
     here: with int8 dot products (AVX-512 VNNI or AVX-VNNI) always; on plain AVX2 where
-    measured so (calibrate.i8_wins: vpmaddubsw and vpmaddwd gave 1.15-1.2x the int16 kernel
-    from 32 rows on a Zen 5 held to AVX2; docs/benchmarks.md). Not on AVX-512 without VNNI
-    (not measured: there the int16 kernel has vectors twice the width of i8matmul.c's AVX2
-    path)."""
+    measured so (calibrate.i8_wins: vpmaddubsw and vpmaddwd gave 1.0-1.25x the int16 kernel
+    from 17 rows on a Zen 5 held to AVX2, the LM head 1.18x at 32; docs/benchmarks.md). Not
+    on AVX-512 without VNNI (not measured: there the int16 kernel has vectors twice the width
+    of i8matmul.c's AVX2 path)."""
     flags = cpu_flags()
     if {"avx512_vnni", "avx_vnni"} & flags:
         return True
