@@ -72,8 +72,8 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, int32_t *co
 
 /* Whether y, much larger than the caches (the LM head's logits: 32 rows are 33 MB in
  * float32), is written past them: each 64-byte piece would otherwise be read in before it
- * is written. The head took 4-20% less time so (17-64 rows, float32 and bf16, a Zen 5 with
- * AVX-512 VNNI; 4% at 32 rows held to AVX2). */
+ * is written. With the next tile's prefetch (gemm) the head took 11-17% less time at 17-64
+ * rows, float32 and bf16, on a Zen 5 with AVX-512 VNNI (docs/benchmarks.md). */
 static int streams(int M, int64_t N, int bf16, const void *y) {
     return (int64_t)M * N * (bf16 ? 2 : 4) > (8 << 20) && (uintptr_t)y % 64 == 0;
 }
