@@ -109,14 +109,17 @@ def summary() -> str:
     shown = " (KVSERVE_CPU_FLAGS: the others hidden)" if masked() else ""
     # oneDNN and fbgemm pick their kernels from the CPU themselves, past torch's capability:
     # a run that held them to less says so (benchmarks emulating another CPU kind).
-    held = "".join(f"; {name} held to {os.environ[var]}" for var, name in _LIBRARY_ISA
+    held = "".join(f"; {name} held to {os.environ[var]}" for var, name in LIBRARY_ISA[1:]
                    if os.environ.get(var))
     return (f"{cpu_name()}: {' '.join(feature_set()) or 'no SIMD flags found'}{shown}; "
             f"torch {torch.__version__} capability {torch.backends.cpu.get_cpu_capability()}"
             f"{held}; bf16 matmul {bf16}; {torch.get_num_threads()} threads")
 
 
-_LIBRARY_ISA = (("ONEDNN_MAX_CPU_ISA", "oneDNN"), ("FBGEMM_ENABLE_INSTRUCTIONS", "fbgemm"))
+# The variables that hold a library's kernels below what the CPU has (torch's shows as
+# its capability in summary; the calibration cache keys on all three).
+LIBRARY_ISA = (("ATEN_CPU_CAPABILITY", "torch"), ("ONEDNN_MAX_CPU_ISA", "oneDNN"),
+               ("FBGEMM_ENABLE_INSTRUCTIONS", "fbgemm"))
 
 
 if __name__ == "__main__":

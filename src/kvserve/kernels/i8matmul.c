@@ -383,11 +383,13 @@ int kvs_i8_matmul(const uint8_t *w, const float *sw, const void *x, int64_t ldx,
 #pragma omp for schedule(static)
             for (int m = 0; m < M; m++) {
                 load_row(x, m * ldx, row, K, bf16);
-                quantize_row(row, K, xq + (int64_t)m * K, xd + (int64_t)m * nb,
-                             xc + (int64_t)m * nb);
-#ifdef ABS_ROWS
+#ifdef ABS_ROWS /* the sums need no correction; gemm reads |x| after the rows instead */
+                quantize_row(row, K, xq + (int64_t)m * K, xd + (int64_t)m * nb, NULL);
                 for (int k = 0; k < K; k++)
                     xq[(int64_t)(M + m) * K + k] = (int8_t)abs(xq[(int64_t)m * K + k]);
+#else
+                quantize_row(row, K, xq + (int64_t)m * K, xd + (int64_t)m * nb,
+                             xc + (int64_t)m * nb);
 #endif
             }
             gemm(w, sw, xq, xd, xc, M, N, K, y, bf16);

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.cpu_features import cpu_id, feature_set
+from kvserve.cpu_features import LIBRARY_ISA, cpu_id, feature_set
 from kvserve.kernels.cpu import CpuKernels
 from kvserve.paths import default_cache_dir
 
@@ -42,12 +42,11 @@ MARGIN = 0.9  # the second copy must take at most this share of Q8_0's time: it 
 TIMED_OUT = 16384  # a larger shape (an LM head) is timed on this many of its output rows
 SAMPLES = 5  # timings a kernel a row count, alternating with the other's; the median counts
 SAMPLE_S = 0.01  # each at least this long (calls repeated): single calls of 0.1 ms are noise
-# The libraries pick their own kernels unless these hold them (cpu_features.summary).
-_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
 
 
 def _key(out_features: int, in_features: int, large: str = "fp16") -> str:
-    held = ",".join(f"{v}={os.environ[v]}" for v in _ISA_VARIABLES if os.environ.get(v))
+    held = ",".join(f"{v}={os.environ[v]}" for v, _ in LIBRARY_ISA
+                    if os.environ.get(v))
     shape = f"{out_features}x{in_features}" + ("" if large == "fp16" else f"|{large}")
     return "|".join((cpu_id(), ",".join(feature_set()), held,
                      f"threads={torch.get_num_threads()}", f"torch={torch.__version__}",
