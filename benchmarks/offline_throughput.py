@@ -356,7 +356,7 @@ def gemms(args: argparse.Namespace) -> dict:
     layers = [m.quant for m in model.modules() if isinstance(getattr(m, "quant", None),
                                                             Q8Bf16Linear)]
     layers += [q for q in [model.quant_head] if isinstance(q, Q8Bf16Linear)]
-    copies = {"ours": [q.packed for q in layers], "onednn": []}
+    copies = {"ours": [q.large for q in layers], "onednn": []}
     if not all(g.on_kernel for g in copies["ours"]):
         raise SystemExit("gemms: needs q8+bf16 on a CPU with native bf16 and the C kernels")
     for g in copies["ours"]:  # the plain weight back, exactly: identity rows pick it out
@@ -366,7 +366,7 @@ def gemms(args: argparse.Namespace) -> dict:
 
     def use(name: str) -> None:
         for q, g in zip(layers, copies[name]):
-            q._packed = g
+            q._copy = g
 
     if args.prefill:
         rounds = first_tokens(engine, args.prefill, 6, {k: partial(use, k) for k in copies})

@@ -144,7 +144,7 @@ def test_q8_fp16_reads_q8_for_a_few_rows_and_fp16_for_batches(
     assert hybrid.pending_bytes() == 300 * 640 * 2  # the fp16 copy is made at first use
     w8 = dequantized(q8).half().float()  # the values both copies compute with
     # above SMALL rows: fbgemm's fp16 GEMM over the Q8_0 copy's values
-    for x, got in split_calls(hybrid, q8, hybrid.fp16, (1, 8, 9, 64)):
+    for x, got in split_calls(hybrid, q8, hybrid.large, (1, 8, 9, 64)):
         assert rel_err(got, x.float() @ w8.T) < (1e-5 if x.dtype == torch.float32 else 1e-2)
     assert hybrid(torch.randn(0, 640)).shape == (0, 300)
     assert hybrid.nbytes() == q8.nbytes() + 300 * 640 * 2 and hybrid.pending_bytes() == 0
@@ -177,7 +177,7 @@ def test_q8_int8_reads_q8_for_a_few_rows_and_int8_blocks_for_batches() -> None:
     w = torch.randn(304, 640) * 0.05
     hybrid, q8 = quantized(w, "q8+int8"), quantized(w, "q8")
     assert isinstance(hybrid, Q8I8Linear)
-    for x, got in split_calls(hybrid, q8, hybrid.i8, (1, 16, 17, 64)):  # int8 blocks above
+    for x, got in split_calls(hybrid, q8, hybrid.large, (1, 16, 17, 64)):  # int8 blocks above
         assert rel_err(got, x.float() @ w.T) < 0.02
     assert hybrid(torch.randn(0, 640)).shape == (0, 304)
     assert hybrid.nbytes() == q8.nbytes() + 304 * 640 + 304 * 20 * 4
@@ -188,7 +188,7 @@ def test_q8_int8_reads_q8_for_a_few_rows_and_int8_blocks_for_batches() -> None:
     if serves_q5():
         small = quantized(w5, "q8+int8").q8
         assert isinstance(small, Q5Linear)
-    assert isinstance(quantized(w5, "q8+int8").i8, I8Linear)
+    assert isinstance(quantized(w5, "q8+int8").large, I8Linear)
 
 
 ALL_Q8 = {"q8", "q8+bf16", "q8+int8"}

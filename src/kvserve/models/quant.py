@@ -360,20 +360,30 @@ class SplitLinear:
     q8: BlockLinear
     out_features: int
     in_features: int
+    _copy: Bf16Gemm | Fp16Linear | I8Linear | None = None  # the larger steps' (`large`)
+    _making = threading.Lock()  # for every layer: copies are made once, seldom together
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.SMALL * self.in_features:
             return self.q8(x)
-        return self._large(x)
+        return self.large(x)
 
     def kernel(self, rows: int, dtype: torch.dtype) -> QMatmul | None:
         """As Bf16Gemm.kernel, choosing the copy as __call__ does."""
-        return self.q8.kernel(rows, dtype) if rows <= self.SMALL else self._large_kernel(dtype)
+        return self.q8.kernel(rows, dtype) if rows <= self.SMALL else self.large.kernel(0, dtype)
 
-    def _large(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    @property
+    def large(self) -> Bf16Gemm | Fp16Linear | I8Linear:
+        """The copy for steps of more than SMALL rows, made on first use if the layer
+        defers it (a start waits for none, and a session of short prompts never needs
+        it). Threads may race to it."""
+        if self._copy is None:
+            with self._making:
+                if self._copy is None:
+                    self._copy = self._make_large()
+        return self._copy
 
-    def _large_kernel(self, dtype: torch.dtype) -> QMatmul | None:
+    def _make_large(self) -> Bf16Gemm | Fp16Linear | I8Linear:
         raise NotImplementedError
 
 
@@ -398,11 +408,9 @@ class Q8Bf16Linear(SplitLinear):
         self._init_bf16(weight.detach().bfloat16().contiguous())
 
     def _init_bf16(self, bf16: torch.Tensor) -> None:
-        # The GEMM's packed copy is made on the first step of more than SMALL rows: a
-        # start does not wait for it (the 262k-row head alone takes ~0.5 s in oneDNN),
-        # and a session of short prompts never needs it.
+        # The GEMM's packed copy is made on the first step of more than SMALL rows (the
+        # 262k-row head alone takes ~0.5 s in oneDNN).
         self.bf16: torch.Tensor | None = bf16
-        self._packed: Bf16Gemm | None = None
         self.out_features, self.in_features = bf16.shape
 
     @classmethod
@@ -419,25 +427,16 @@ class Q8Bf16Linear(SplitLinear):
             raise RuntimeError("the bf16 weight is already packed; save before running")
         return {**self.q8.packed_state(), "bf16": self.bf16}
 
-    @property
-    def packed(self) -> Bf16Gemm:
-        """The packed bf16 copy, made (and the plain one dropped) on first use. Safe to race
-        (a server's prepack thread and its engine): _packed is set before bf16 is dropped,
-        so a caller that finds no plain weight finds the packed one."""
-        if self._packed is None:
-            bf16 = self.bf16
-            if bf16 is None:
-                return self._packed
-            self._packed = Bf16Gemm(bf16)
-            self.bf16 = None
-        return self._packed
+    def _make_large(self) -> Bf16Gemm:
+        packed = Bf16Gemm(self.bf16)
+        self.bf16 = None  # the packed copy replaces the plain one
+        return packed
 
-    def _large_kernel(self, dtype: torch.dtype) -> QMatmul | None:
-        return self.packed.kernel(0, dtype)
-
-    def _large(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= self.SMALL * self.in_features:
+            return self.q8(x)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        y = self.packed(rows)
+        y = self.large(rows)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def nbytes(self) -> int:
@@ -462,30 +461,16 @@ class Q8Fp16Linear(SplitLinear):
     def __init__(self, small: BlockLinear, rows: int) -> None:
         self.q8, self.SMALL = small, rows
         self.out_features, self.in_features = small.out_features, small.in_features
-        self._fp16: Fp16Linear | None = None
-        self._making = threading.Lock()
 
-    @property
-    def fp16(self) -> Fp16Linear:
-        """The fp16 copy, made on first use (a server's threads may race to it)."""
-        if self._fp16 is None:
-            with self._making:
-                if self._fp16 is None:
-                    self._fp16 = Fp16Linear(dequantized(self.q8))
-        return self._fp16
+    def _make_large(self) -> Fp16Linear:
+        return Fp16Linear(dequantized(self.q8))
 
     def pending_bytes(self) -> int:
         """What the fp16 copy will take once made (0 after)."""
-        return 0 if self._fp16 is not None else self.out_features * self.in_features * 2
+        return 0 if self._copy is not None else self.out_features * self.in_features * 2
 
     def packed_state(self) -> dict[str, torch.Tensor]:
         return self.q8.packed_state()
-
-    def _large(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fp16(x)
-
-    def _large_kernel(self, dtype: torch.dtype) -> None:
-        return None  # fbgemm's: the step's layers run one call each
 
     def nbytes(self) -> int:
         return self.q8.nbytes() + self.out_features * self.in_features * 2
@@ -507,7 +492,7 @@ class Q8I8Linear(SplitLinear):
 
     def __init__(self, weight: torch.Tensor, small: Q5Linear | None = None) -> None:
         self.q8 = small or Q8Linear(weight)
-        self.i8 = I8Linear(weight)
+        self._copy = I8Linear(weight)  # made at once: the packed form on disk keeps it
         self.out_features, self.in_features = weight.shape
 
     @classmethod
@@ -515,21 +500,15 @@ class Q8I8Linear(SplitLinear):
                     i8d: torch.Tensor) -> Q8I8Linear:
         """The layer over saved copies (models/packed.py)."""
         self = cls.__new__(cls)
-        self.q8, self.i8 = small, I8Linear.from_packed(i8q, i8d, small.in_features)
+        self.q8, self._copy = small, I8Linear.from_packed(i8q, i8d, small.in_features)
         self.out_features, self.in_features = small.out_features, small.in_features
         return self
 
     def packed_state(self) -> dict[str, torch.Tensor]:
-        return {**self.q8.packed_state(), **self.i8.packed_state()}
-
-    def _large(self, x: torch.Tensor) -> torch.Tensor:
-        return self.i8(x)
-
-    def _large_kernel(self, dtype: torch.dtype) -> QMatmul | None:
-        return self.i8.kernel(0, dtype)
+        return {**self.q8.packed_state(), **self.large.packed_state()}
 
     def nbytes(self) -> int:
-        return self.q8.nbytes() + self.i8.nbytes()
+        return self.q8.nbytes() + self.large.nbytes()
 
 
 QuantLinear = Fp16Linear | BlockLinear | SplitLinear | Int8Linear
