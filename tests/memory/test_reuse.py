@@ -533,7 +533,13 @@ def test_a_request_taken_back_after_lookup_leaves_its_hit_pages_keys_alone():
     serve(mgr, "a", ARTICLE + [500, 501, 502])
     sp = [mgr.alloc.specs[s] for s in range(2)]
     before = [list(s.last) for s in sp]
-    for _ in range(3):  # a loop miss retried while it waits: lookup, then taken back
+    for i in range(3):  # a loop miss retried while it waits: lookup, then taken back
+        if i == 1:  # the first lookup branched off: "a"'s windows before the hit's went DEAD
+            changed = [(s, p) for s in range(2) for p, t in enumerate(sp[s].last)
+                       if t != before[s][p]]
+            assert changed and {s for s, _ in changed} == {1}
+            assert {sp[1].last[p] for _, p in changed} == {DEAD}
+            before = [list(s.last) for s in sp]
         mgr.begin_step()
         b = _looked_up(mgr, "b", ARTICLE + [600, 601, 602], loop=True, gap=3)
         assert b.num_hit == 64
@@ -733,6 +739,30 @@ def test_a_next_turn_retires_the_previous_prompts_end_windows():
     assert hits[1] == 168  # the whole first sequence
     assert {swa.last[swa.cached[hashes[b]]] for b in range(21, 30)} == {DEAD}
     assert hashes[42 - 1] not in mgr.reuse.marks  # a continuation is no divergence
+
+
+def test_a_sibling_retires_the_windows_older_prompts_kept_before_its_branch_point():
+    mgr = make(400)
+    swa = mgr.alloc.specs[1]
+    hashes = _hashes(ARTICLE)
+    key = lambda b: swa.last[swa.cached[hashes[b]]]  # noqa: E731
+    # An 18-block prompt: its end region (points 13..18) kept blocks 9..17.
+    serve(mgr, "q0", ARTICLE + [600 + i for i in range(8)])
+    assert {key(b) for b in range(9, 16)} == {mgr.now}
+    # The second question branches off at the article's end (point 16), whose hit
+    # needs blocks 12..15: blocks 9..11 served only points before it, and go first.
+    assert serve(mgr, "q1", ARTICLE + [700 + i for i in range(8)]) == 64
+    assert hashes[15] in mgr.reuse.marks
+    assert {key(b) for b in range(9, 12)} == {DEAD}
+    assert {key(b) for b in range(12, 16)} == {mgr.now}
+    # A mark inside the old end region keeps the window its hit needs.
+    mgr = make(400)
+    swa = mgr.alloc.specs[1]
+    serve(mgr, "q0", ARTICLE + [600 + i for i in range(8)])
+    mgr.reuse.mark(hashes[10])  # point 11: its hit needs blocks 7..10
+    assert serve(mgr, "q1", ARTICLE + [700 + i for i in range(8)]) == 64
+    assert DEAD not in {key(9), key(10)} and key(11) == DEAD
+    check_invariants(mgr)
 
 
 @pytest.mark.parametrize("lost", [False, True])

@@ -301,8 +301,9 @@ class SpecManager:
         """Let go of pages no query at position >= c needs."""
 
     def retire(self, r: RequestKV, q: int, prompt_end: int) -> None:
-        """r hits at q, continuing a finished request's sequence: cached pages that only
-        served that request's other reuse points may go first (TextStream)."""
+        """r hits at q, continuing a finished request's sequence or branching off a cached
+        one: cached pages that only served that request's other reuse points may go
+        first (TextStream)."""
 
     def peak_pages(self, num_tokens: int, chunk: int, images: Sequence[ImageInput]) -> int:
         """Most pages one request of num_tokens holds when prefilled in chunks."""
@@ -534,7 +535,8 @@ class TextStream(SpecManager):
         """r hits at q, the sequence end of a finished request whose prompt ended at block
         prompt_end: it continues that sequence. The pages that request kept for hits in
         its prompt's end region, before the window r claims, serve no one now unless a
-        mark needs them: cache them DEAD (evicted first)."""
+        mark needs them: cache them DEAD (evicted first). A branch at q passes q as
+        prompt_end: the prompts it branched from ended within an end region after q."""
         if self.spec.kind is LayerKind.FULL:
             return
         hi, reach = self._first_block(q), self._reach()
