@@ -12,6 +12,11 @@ Every `--every` steps it sorts the pool's bytes (GB, averaged over the samples):
 - hits: cached pages that a hit at some point of a finished request's
   sequence needs, in any spec;
 - other: the rest of the cached pages, which serve no such hit.
+
+On traces whose requests share a document (`prefix_len`: arxiv-qa), the cached
+pages that are part of a document's *trunk* (its full-attention pages and, in a
+windowed spec, the window a hit at its end needs) are also counted: the rest of
+"hits" and "other" is questions, answers and windows kept for other points.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from prefix_hits import add_sim_arguments, simulate
 from kvserve.memory import KVCacheManager
 from kvserve.memory.allocator import DEAD
 from kvserve.memory.layer_types import RequestKV
-from kvserve.sim.traces import load_trace
+from kvserve.memory.prefix_cache import extend_block_hashes
+from kvserve.sim.traces import TokenSynth, TraceRequest, load_trace
 
 
 class Finished:
@@ -63,7 +69,20 @@ class Finished:
         return out
 
 
-def sample(kv: KVCacheManager, finished: Finished, acc: Counter) -> None:
+def trunks(kv: KVCacheManager, trace: list[TraceRequest]) -> list[set]:
+    """Per spec, the block keys of every shared document's trunk (module doc)."""
+    synth, out, seen = TokenSynth(), [set() for _ in kv.alloc.specs], set()
+    for tr in trace:
+        if tr.prefix_len and tr.prefix_id not in seen:
+            seen.add(tr.prefix_id)
+            hashes: list = []
+            extend_block_hashes(hashes, synth.prompt_ids(tr)[:tr.prefix_len], kv.T)
+            for m in kv.managers:
+                out[m.s].update(m.hit_keys(RequestKV(None, (), (), hashes=hashes), len(hashes)))
+    return out
+
+
+def sample(kv: KVCacheManager, finished: Finished, trunk: list[set], acc: Counter) -> None:
     needed = finished.hit_pages(kv)
     for s, sp in enumerate(kv.alloc.specs):
         size = kv.layout.page_bytes[s]
@@ -71,6 +90,7 @@ def sample(kv: KVCacheManager, finished: Finished, acc: Counter) -> None:
             if not sp.ref[p]:
                 kind = "dead" if sp.last[p] == DEAD else "hits" if h in needed[s] else "other"
                 acc[kind] += size
+                acc["trunks"] += size if kind != "dead" and h in trunk[s] else 0
     st = kv.stats()
     acc["used"] += st.used
     acc["free"] += st.free
@@ -88,16 +108,22 @@ def main() -> None:
     finished = Finished()
     steps = [0]
 
+    trace, trunk = load_trace(args.trace), []
+
     def on_step(kv: KVCacheManager, sched: object, batch: object) -> None:
         steps[0] += 1
+        if not trunk:
+            trunk.extend(trunks(kv, trace))
         if steps[0] % args.every == 0:
-            sample(kv, finished, acc)
+            sample(kv, finished, trunk, acc)
 
-    sim, _, hit = simulate(load_trace(args.trace), "jenga", args, on_step)
+    sim, _, hit = simulate(trace, "jenga", args, on_step)
     n = max(1, acc.pop("samples"))
     kinds = ("used", "free", "dead", "hits", "other")
     parts = " ".join(f"{k} {acc[k] / n / 1e9:.2f}" for k in kinds)
-    print(f"hit {hit:.1%}, pool {sim.kv.pool_bytes / 1e9:.1f} GB: {parts}")
+    docs = f"; of hits and other, documents' trunks {acc['trunks'] / n / 1e9:.2f}"
+    print(f"hit {hit:.1%}, pool {sim.kv.pool_bytes / 1e9:.1f} GB: {parts}"
+          f"{docs if acc['trunks'] else ''}")
 
 
 if __name__ == "__main__":
