@@ -3,7 +3,6 @@
 import pytest
 
 from kvserve.memory import ImageInput, KVCacheManager, KVSpec, LayerKind, make_layout
-from kvserve.memory.allocator import DEAD
 from kvserve.memory.layer_types import make_spec_manager
 
 # Fig. 6: 2 cross-attention layers (image tokens) and 3 self-attention layers
@@ -48,8 +47,8 @@ def test_unreasonable_lcm_names_specs():
         make_layout([a, b], tokens_per_page=1)
 
 
-def _run_fig10(requests: int = 2):
-    """Request 1 [A B C D] -> E F, then (requests=2) request 2 [A B C D G] -> H, window 2."""
+def _run_fig10():
+    """Request 1 [A B C D] -> E F, then request 2 [A B C D G] -> H, window 2."""
     full = KVSpec("full", LayerKind.FULL, 1, 64)
     swa = KVSpec("swa", LayerKind.SLIDING, 1, 64, window=2)
     mgr = KVCacheManager([full, swa], pool_bytes=64 * 32, tokens_per_page=1)
@@ -70,8 +69,6 @@ def _run_fig10(requests: int = 2):
     mgr.advance(1, 1)
     r1.append(F)
     mgr.finish(1)
-    if requests == 1:
-        return mgr, pages1, None
     mgr.begin_step()  # step 3: request 2's prefill ABCDG -> H with ABCD cached
     r2 = [A, B, C, D, G]
     mgr.add_request(2, r2)
@@ -102,33 +99,26 @@ def test_fig10_last_access_timeline():
 
 
 def test_fig10_pages_left_window_for_a_reuse_point_leave_with_the_request():
-    mgr, _, _ = _run_fig10(requests=1)
+    mgr, pages1, _ = _run_fig10()
     # A and B left the window in step 1, but a hit near request 1's prompt end
     # needs them: they are stamped with request 1's finish (step 2), not step 1.
     # (The paper leaves them at 1, so they would go before the rest of the prefix.)
     swa = mgr.alloc.specs[1]
     times = sorted(swa.last[p] for p in range(len(swa.last)) if swa.hash[p] is not None)
-    assert times == [2, 2, 2, 2, 2]
-    # Request 2 branches off at D, whose hit needs only C and D: A and B served only
-    # points before it and go first now (KVCacheManager._mark_reuse, retire).
-    mgr, _, _ = _run_fig10()
-    swa = mgr.alloc.specs[1]
-    times = sorted(swa.last[p] for p in range(len(swa.last)) if swa.hash[p] is not None)
-    assert times == [DEAD, DEAD, 2, 3, 3, 3]
+    assert times == [2, 2, 2, 3, 3, 3]
 
 
 def test_fig10_eviction_order_is_balanced():
     mgr, _, _ = _run_fig10()
     # Request 1's own tokens go before request 2's in both layers; within a
-    # time the longest prefix goes first (aligned rule). In the window, A and B go
-    # before both: request 2's branch at D retired them.
+    # time the longest prefix goes first (aligned rule).
     order = {}
     for i, name in enumerate(["full", "swa"]):
         sp = mgr.alloc.specs[i]
         live = [(sp.last[p], -sp.plen[p], sp.plen[p]) for p in range(len(sp.last)) if sp.hash[p]]
         order[name] = [plen for _, _, plen in sorted(live)]
     assert order["full"][0] == 5  # E (prefix length 5) first
-    assert order["swa"][:3] == [2, 1, 5]  # B, A (retired, tail first), then E
+    assert order["swa"][:3] == [5, 2, 1]  # E, B, A: request 1's, tail first
 
 
 def test_fig11_possible_prefixes():

@@ -269,19 +269,24 @@ class KVCacheManager:
         conversation goes on from where this turn ends (chat, Gemma 3 12B, 6.5 GB,
         100 sessions at 1/s: 40.4% -> 41.9%).
 
-        A hit that branches off (a second question on a document) or continues a
-        finished sequence (a next turn) retires the windows older prompts' end regions
-        kept before the window it claims: the next such request hits where this one
-        did. For branches, Gemma 3 12B, 1/s: 32 articles shuffled 51.0% -> 52.1%, 64
-        shuffled 23.7% -> 24.2%, 64 round-robin with 8192-token steps 31.8% -> 32.8%."""
+        A hit that branches off (a second question on a document: the cache's sequence
+        and r part at q in every spec, r goes on) or continues a finished sequence (a
+        next turn) retires the windows older prompts' end regions kept before the
+        window it claims: the next such request hits where this one did. A prompt that
+        repeats a cached one, or whose full-attention hit goes past q, parts nowhere
+        yet: the windows stay for whoever branches earlier. For branches, Gemma 3 12B,
+        1/s: 32 articles shuffled 51.0% -> 52.1%, 64 shuffled 23.7% -> 24.2%, 64
+        round-robin with 8192-token steps 31.8% -> 32.8%."""
         continues = False
         r.next_turn = self.reuse.next_turn(r, p)
+        d = min((m.longest_hit(r, p) for m in self._full), default=0)
         if q:
             pe = self.reuse.ends.get(r.hashes[q - 1])
             if pe is None:
                 self.reuse.branched += 1
                 if not r.next_turn:
                     self.reuse.mark(r.hashes[q - 1])
+                if not r.next_turn and d == q < p:  # every spec's cache and r part at q
                     for m in self.managers:  # the next sibling hits here too
                         m.retire(r, q, q)
             else:  # r continues a finished request's sequence
@@ -289,7 +294,6 @@ class KVCacheManager:
                     m.retire(r, q, pe)
             # not a preempted request coming back whole
             continues = q < p and self.reuse.continues(r, q)
-        d = min((m.longest_hit(r, p) for m in self._full), default=0)
         if d > q:
             if not r.next_turn:
                 self.reuse.mark(r.hashes[d - 1])
