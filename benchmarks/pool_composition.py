@@ -70,9 +70,10 @@ class Finished:
 
 
 def trunks(kv: KVCacheManager, trace: list[TraceRequest]) -> list[set]:
-    """Per spec, the block keys of every shared document's trunk (module doc)."""
+    """Per spec, the block keys of every shared document's trunk (module doc). A
+    TokenSynth numbers documents as it meets them: in arrival order, as the run did."""
     synth, out, seen = TokenSynth(), [set() for _ in kv.alloc.specs], set()
-    for tr in trace:
+    for tr in sorted(trace, key=lambda t: t.arrival):
         if tr.prefix_len and tr.prefix_id not in seen:
             seen.add(tr.prefix_id)
             hashes: list = []
