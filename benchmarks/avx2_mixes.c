@@ -59,39 +59,34 @@ static double madd_i16(void) {
     return ITERS * 8.0 * 16 / (now() - t) / 1e9;
 }
 
+/* One row of the tile against both weight vectors (ymm8, ymm9), into accumulators A and B;
+ * ymm15 holds int16 ones, and the macros below load X, the row's 4 activations, into ymm14.
+ * UBS: unsigned by signed bytes; SIGN: vpsignb first, |x| (ymm13) the unsigned side. */
+#define UBS(A, B)                                                                          \
+    "vpmaddubsw %%ymm14,%%ymm8,%%ymm10\n vpmaddwd %%ymm15,%%ymm10,%%ymm10\n"              \
+    "vpaddd %%ymm10,%%ymm" #A ",%%ymm" #A "\n"                                             \
+    "vpmaddubsw %%ymm14,%%ymm9,%%ymm11\n vpmaddwd %%ymm15,%%ymm11,%%ymm11\n"              \
+    "vpaddd %%ymm11,%%ymm" #B ",%%ymm" #B "\n"
+#define SIGN(A, B)                                                                         \
+    "vpsignb %%ymm14,%%ymm8,%%ymm10\n vpmaddubsw %%ymm10,%%ymm13,%%ymm10\n"               \
+    "vpmaddwd %%ymm15,%%ymm10,%%ymm10\n vpaddd %%ymm10,%%ymm" #A ",%%ymm" #A "\n"          \
+    "vpsignb %%ymm14,%%ymm9,%%ymm11\n vpmaddubsw %%ymm11,%%ymm13,%%ymm11\n"               \
+    "vpmaddwd %%ymm15,%%ymm11,%%ymm11\n vpaddd %%ymm11,%%ymm" #B ",%%ymm" #B "\n"
+#define X(OFF) "vpbroadcastd " #OFF "(%2),%%ymm14\n"
+#define ABS_X(OFF, ABS_OFF) X(OFF) "vpbroadcastd " #ABS_OFF "(%2),%%ymm13\n"
+#define INT8_LOOP(ROWS)                                                                    \
+    "vpcmpeqw %%ymm15,%%ymm15,%%ymm15\n vpsrlw $15,%%ymm15,%%ymm15\n"                      \
+    "1:\n vmovdqa (%1),%%ymm8\n vmovdqa 32(%1),%%ymm9\n" ROWS "dec %0\n jnz 1b\n"
+
 /* int8, unsigned by signed bytes (7-bit activations would keep the pairs exact), summed to
  * int32 by vpmaddwd with ones; each row's 4 activations broadcast. */
 static double maddubs_i8(void) {
     long n = ITERS;
     double t = now();
-    __asm__ volatile(
-        "vpcmpeqw %%ymm15,%%ymm15,%%ymm15\n vpsrlw $15,%%ymm15,%%ymm15\n"
-        "1:\n"
-        "vmovdqa (%1),%%ymm8\n vmovdqa 32(%1),%%ymm9\n"
-        "vpbroadcastd (%2),%%ymm14\n"
-        "vpmaddubsw %%ymm14,%%ymm8,%%ymm10\n vpmaddwd %%ymm15,%%ymm10,%%ymm10\n"
-        "vpaddd %%ymm10,%%ymm0,%%ymm0\n"
-        "vpmaddubsw %%ymm14,%%ymm9,%%ymm11\n vpmaddwd %%ymm15,%%ymm11,%%ymm11\n"
-        "vpaddd %%ymm11,%%ymm1,%%ymm1\n"
-        "vpbroadcastd 4(%2),%%ymm14\n"
-        "vpmaddubsw %%ymm14,%%ymm8,%%ymm12\n vpmaddwd %%ymm15,%%ymm12,%%ymm12\n"
-        "vpaddd %%ymm12,%%ymm2,%%ymm2\n"
-        "vpmaddubsw %%ymm14,%%ymm9,%%ymm13\n vpmaddwd %%ymm15,%%ymm13,%%ymm13\n"
-        "vpaddd %%ymm13,%%ymm3,%%ymm3\n"
-        "vpbroadcastd 8(%2),%%ymm14\n"
-        "vpmaddubsw %%ymm14,%%ymm8,%%ymm10\n vpmaddwd %%ymm15,%%ymm10,%%ymm10\n"
-        "vpaddd %%ymm10,%%ymm4,%%ymm4\n"
-        "vpmaddubsw %%ymm14,%%ymm9,%%ymm11\n vpmaddwd %%ymm15,%%ymm11,%%ymm11\n"
-        "vpaddd %%ymm11,%%ymm5,%%ymm5\n"
-        "vpbroadcastd 12(%2),%%ymm14\n"
-        "vpmaddubsw %%ymm14,%%ymm8,%%ymm12\n vpmaddwd %%ymm15,%%ymm12,%%ymm12\n"
-        "vpaddd %%ymm12,%%ymm6,%%ymm6\n"
-        "vpmaddubsw %%ymm14,%%ymm9,%%ymm13\n vpmaddwd %%ymm15,%%ymm13,%%ymm13\n"
-        "vpaddd %%ymm13,%%ymm7,%%ymm7\n"
-        "dec %0\n jnz 1b\n"
-        : "+r"(n)
-        : "r"(ws), "r"(xs)
-        : "memory");
+    __asm__ volatile(INT8_LOOP(X(0) UBS(0, 1) X(4) UBS(2, 3) X(8) UBS(4, 5) X(12) UBS(6, 7))
+                     : "+r"(n)
+                     : "r"(ws), "r"(xs)
+                     : "memory");
     return ITERS * 8.0 * 32 / (now() - t) / 1e9;
 }
 
@@ -100,34 +95,11 @@ static double maddubs_i8(void) {
 static double sign_i8(void) {
     long n = ITERS;
     double t = now();
-    __asm__ volatile(
-        "vpcmpeqw %%ymm15,%%ymm15,%%ymm15\n vpsrlw $15,%%ymm15,%%ymm15\n"
-        "1:\n"
-        "vmovdqa (%1),%%ymm8\n vmovdqa 32(%1),%%ymm9\n"
-        "vpbroadcastd (%2),%%ymm14\n vpbroadcastd 16(%2),%%ymm13\n"
-        "vpsignb %%ymm14,%%ymm8,%%ymm10\n vpmaddubsw %%ymm10,%%ymm13,%%ymm10\n"
-        "vpmaddwd %%ymm15,%%ymm10,%%ymm10\n vpaddd %%ymm10,%%ymm0,%%ymm0\n"
-        "vpsignb %%ymm14,%%ymm9,%%ymm11\n vpmaddubsw %%ymm11,%%ymm13,%%ymm11\n"
-        "vpmaddwd %%ymm15,%%ymm11,%%ymm11\n vpaddd %%ymm11,%%ymm1,%%ymm1\n"
-        "vpbroadcastd 4(%2),%%ymm14\n vpbroadcastd 20(%2),%%ymm13\n"
-        "vpsignb %%ymm14,%%ymm8,%%ymm10\n vpmaddubsw %%ymm10,%%ymm13,%%ymm10\n"
-        "vpmaddwd %%ymm15,%%ymm10,%%ymm10\n vpaddd %%ymm10,%%ymm2,%%ymm2\n"
-        "vpsignb %%ymm14,%%ymm9,%%ymm11\n vpmaddubsw %%ymm11,%%ymm13,%%ymm11\n"
-        "vpmaddwd %%ymm15,%%ymm11,%%ymm11\n vpaddd %%ymm11,%%ymm3,%%ymm3\n"
-        "vpbroadcastd 8(%2),%%ymm14\n vpbroadcastd 24(%2),%%ymm13\n"
-        "vpsignb %%ymm14,%%ymm8,%%ymm10\n vpmaddubsw %%ymm10,%%ymm13,%%ymm10\n"
-        "vpmaddwd %%ymm15,%%ymm10,%%ymm10\n vpaddd %%ymm10,%%ymm4,%%ymm4\n"
-        "vpsignb %%ymm14,%%ymm9,%%ymm11\n vpmaddubsw %%ymm11,%%ymm13,%%ymm11\n"
-        "vpmaddwd %%ymm15,%%ymm11,%%ymm11\n vpaddd %%ymm11,%%ymm5,%%ymm5\n"
-        "vpbroadcastd 12(%2),%%ymm14\n vpbroadcastd 28(%2),%%ymm13\n"
-        "vpsignb %%ymm14,%%ymm8,%%ymm10\n vpmaddubsw %%ymm10,%%ymm13,%%ymm10\n"
-        "vpmaddwd %%ymm15,%%ymm10,%%ymm10\n vpaddd %%ymm10,%%ymm6,%%ymm6\n"
-        "vpsignb %%ymm14,%%ymm9,%%ymm11\n vpmaddubsw %%ymm11,%%ymm13,%%ymm11\n"
-        "vpmaddwd %%ymm15,%%ymm11,%%ymm11\n vpaddd %%ymm11,%%ymm7,%%ymm7\n"
-        "dec %0\n jnz 1b\n"
-        : "+r"(n)
-        : "r"(ws), "r"(xs)
-        : "memory");
+    __asm__ volatile(INT8_LOOP(ABS_X(0, 16) SIGN(0, 1) ABS_X(4, 20) SIGN(2, 3)
+                               ABS_X(8, 24) SIGN(4, 5) ABS_X(12, 28) SIGN(6, 7))
+                     : "+r"(n)
+                     : "r"(ws), "r"(xs)
+                     : "memory");
     return ITERS * 8.0 * 32 / (now() - t) / 1e9;
 }
 
