@@ -366,6 +366,9 @@ class SplitLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.SMALL * self.in_features:
             return self.q8(x)
+        return self._large_step(x)
+
+    def _large_step(self, x: torch.Tensor) -> torch.Tensor:
         return self.large(x)
 
     def kernel(self, rows: int, dtype: torch.dtype) -> QMatmul | None:
@@ -432,9 +435,7 @@ class Q8Bf16Linear(SplitLinear):
         self.bf16 = None  # the packed copy replaces the plain one
         return packed
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= self.SMALL * self.in_features:
-            return self.q8(x)
+    def _large_step(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = self.large(rows)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
