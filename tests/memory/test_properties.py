@@ -211,6 +211,21 @@ class MemoryCore(RuleBasedStateMachine):
                     assert held <= 1 + ((r.num_alloc // T) * T > r.prompt_len)
 
     @invariant()
+    def state_pages_stay_within_the_peak(self):
+        # fits_alone and the wait rules count a request's Mamba pages by peak_pages: the
+        # live state, the tail, the checkpoints its prompt holds for reuse points and
+        # one past its prompt (with caching; without it, every grid point of a step).
+        for r in self.mgr.reqs.values():
+            for m in self.mgr.managers:
+                if m.spec.kind is not LayerKind.MAMBA:
+                    continue
+                s = m.s
+                mine = {p for p in r.tables[s] if p != NO_PAGE}
+                mine |= {p for pos, p in r.pending[s] if pos > 0}
+                mine |= set(r.held.get(s, ()))
+                assert len(mine) <= m.peak_pages(len(r.tokens), 40, ())
+
+    @invariant()
     def stats_add_up(self):
         st_ = self.mgr.stats()
         total = st_.free + sum(s.used + s.evictable + s.empty for s in st_.specs)

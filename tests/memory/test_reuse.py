@@ -882,3 +882,29 @@ def test_what_eviction_leaves_of_a_cut_prefix_goes_first():
     assert hit == 64
     left, hit = _cut_loop(demote=False)
     assert DEAD not in left and hit < 64
+
+
+def test_a_prompt_takes_state_checkpoints_only_where_a_hit_can_use_them():
+    """Marconi's admission: a state on the grid between reuse points would be cached
+    DEAD at once, so a prompt takes none there. A branch found at lookup marks its point;
+    the request that found it takes the state there, and the next one hits it."""
+    state = KVSpec("mamba", LayerKind.MAMBA, 1, PAGE, checkpoint_every=2 * T)
+    mgr = make(200, (FULL, state))
+    sp = mgr.alloc.specs[1]
+    a = ARTICLE + [500 + i for i in range(24)]  # 88 tokens: 11 grid points
+    mgr.begin_step()
+    mgr.add_request("a", a)
+    mgr.lookup("a")
+    assert mgr.allocate_slots("a", len(a))
+    # The end region (the grid's 8 tokens for a state) is served by the grid points at
+    # 80 and 88; a state on each of the nine before it would serve no reuse point.
+    assert sorted(pos for pos, _ in mgr.reqs["a"].pending[1]) == [80, 88]
+    assert mgr.reqs["a"].num_alloc and len(mgr.reqs["a"].tables[1]) == 1  # the live state
+    mgr.advance("a", len(a))
+    mgr.begin_step()
+    mgr.finish("a")
+    branch = ARTICLE[:40] + [700 + i for i in range(30)]
+    assert serve(mgr, "b", branch) == 0  # no state at 40: the branch is marked there
+    assert {sp.plen[p] for p, h in enumerate(sp.hash) if h} >= {40}
+    assert serve(mgr, "c", ARTICLE[:40] + [800 + i for i in range(30)]) == 40
+    check_invariants(mgr)
