@@ -53,6 +53,7 @@ def check_invariants(mgr: KVCacheManager, lent: int = 0) -> None:
         unused = [lp for lp in owned if alloc.used[lp] == 0]
         assert sp.n_unused_large == len(unused)
         assert sp.n_idle_empty == sum(alloc.emask[lp].bit_count() for lp in unused)
+        assert set(sp.idle) == {lp for lp in unused if alloc.emask[lp]}
         for pid in holders:
             assert alloc.owner[pid // sp.k] == s, "a request holds a page of a foreign large page"
         for h, pid in sp.cached.items():

@@ -49,6 +49,24 @@ def test_step1_own_empty_pages_before_new_large_page():
     assert alloc.num_free_large() == 3
 
 
+def test_a_finished_requests_empty_pages_go_to_the_next_small_allocation():
+    """A request that cached 1 page of a 4-page large page left 3 empty ones beside it.
+    The next request taking at most 3 pages adopts that large page rather than a free
+    one (steps 2 and 3 would leave the 3 empty until the cached page is evicted); one
+    taking more than the large page has empty gets a fresh one."""
+    alloc = make()
+    done = alloc.allocate("done", [(0, 1)])[0]
+    alloc.forget_request("done")
+    cache(alloc, 0, done, now=1, key="q")
+    got = alloc.allocate("next", [(0, 2)])[0]
+    assert {p // 4 for p in got} == {done[0] // 4}
+    assert alloc.num_free_large() == 3 and alloc.lookup(0, ("q", 0)) == done[0]
+    more = alloc.allocate("big", [(0, 3)])[0]  # one empty page left there: too few
+    assert {p // 4 for p in more} != {done[0] // 4}
+    alloc.free(0, got, 2)  # the adopted large page's pages leave with their own key
+    check_invariants_alloc(alloc)
+
+
 def test_step3_evicts_least_recently_used_large_page():
     alloc = make(num_large=3)
     old = alloc.allocate("x", [(0, 4)])[0]
