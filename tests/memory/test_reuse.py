@@ -888,23 +888,24 @@ def test_a_prompt_takes_state_checkpoints_only_where_a_hit_can_use_them():
     """Marconi's admission: a state on the grid between reuse points would be cached
     DEAD at once, so a prompt takes none there. A branch found at lookup marks its point;
     the request that found it takes the state there, and the next one hits it."""
-    state = KVSpec("mamba", LayerKind.MAMBA, 1, PAGE, checkpoint_every=2 * T)
+    state = KVSpec("mamba", LayerKind.MAMBA, 1, PAGE, checkpoint_every=8 * T)
     mgr = make(200, (FULL, state))
     sp = mgr.alloc.specs[1]
-    a = ARTICLE + [500 + i for i in range(24)]  # 88 tokens: 11 grid points
+    a = ARTICLE + [500 + i for i in range(60)]  # 124 tokens: grid points 32, 64, 96
     mgr.begin_step()
     mgr.add_request("a", a)
     mgr.lookup("a")
     assert mgr.allocate_slots("a", len(a))
-    # The end region (the grid's 8 tokens for a state) is served by the grid points at
-    # 80 and 88; a state on each of the nine before it would serve no reuse point.
-    assert sorted(pos for pos, _ in mgr.reqs["a"].pending[1]) == [80, 88]
-    assert mgr.reqs["a"].num_alloc and len(mgr.reqs["a"].tables[1]) == 1  # the live state
+    # The end region (the last 5 blocks, tokens 104..124) restores the state at 96; the
+    # ones at 32 and 64 would serve no reuse point (nor would 64 for a region of the
+    # grid's length, as it was).
+    assert [pos for pos, _ in mgr.reqs["a"].pending[1]] == [96]
+    assert len(mgr.reqs["a"].tables[1]) == 1  # the live state
     mgr.advance("a", len(a))
     mgr.begin_step()
     mgr.finish("a")
     branch = ARTICLE[:40] + [700 + i for i in range(30)]
-    assert serve(mgr, "b", branch) == 0  # no state at 40: the branch is marked there
-    assert {sp.plen[p] for p, h in enumerate(sp.hash) if h} >= {40}
-    assert serve(mgr, "c", ARTICLE[:40] + [800 + i for i in range(30)]) == 40
+    assert serve(mgr, "b", branch) == 0  # no state at 32: the branch at 40 is marked
+    assert 32 in {sp.plen[p] for p, h in enumerate(sp.hash) if h}
+    assert serve(mgr, "c", ARTICLE[:40] + [800 + i for i in range(30)]) == 32
     check_invariants(mgr)

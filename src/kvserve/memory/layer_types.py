@@ -643,7 +643,7 @@ class MambaState(SpecManager):
         """Grid positions in r's prompt whose state serves one of its reuse points (a hit
         at q restores the state at q - q % every), the last PROMPT_POINTS of them."""
         m = self._every()
-        e = sorted({q - q % m for q in self.reuse.points(r, 1, r.prompt_len // self.T, m)})
+        e = sorted({q - q % m for q in self.reuse.points(r, 1, r.prompt_len // self.T)})
         return {q * self.T for q in e[-self.PROMPT_POINTS:] if q}
 
     def _keeps_tails(self) -> bool:
@@ -746,7 +746,7 @@ class MambaState(SpecManager):
     def _serves_reuse_point(self, r: RequestKV, e: int) -> bool:
         """A hit at q uses the checkpoint at q - q % every: the one at e serves [e, e + every)."""
         m = self._every()
-        return bool(self.reuse.points(r, e, e + m - 1, m))
+        return bool(self.reuse.points(r, e, e + m - 1))
 
     def live_slots(self, r: RequestKV) -> list[tuple[object, int]]:
         # The model needs the live state only; the tail, as a checkpoint, is for caching.
