@@ -238,13 +238,13 @@ class ReusePoints:
     # divergence by the next lookup.
     PROMPT_TAIL = 256
 
-    def points(self, r: RequestKV, lo: int, hi: int, margin: int | None = None) -> list[int]:
-        """Reuse points e with lo <= e <= hi (blocks, ascending); `margin` blocks
-        (default PROMPT_TAIL tokens) before the prompt's end count as its end region."""
+    def points(self, r: RequestKV, lo: int, hi: int) -> list[int]:
+        """Reuse points e with lo <= e <= hi (blocks, ascending); PROMPT_TAIL tokens
+        before the prompt's end count as its end region."""
         hashes, marks = r.hashes, self.marks
         end = r.prompt_len // self.T
-        if margin is None:  # a next turn is hit again where it ends: no end region (-1)
-            margin = -1 if r.next_turn else self.PROMPT_TAIL // self.T
+        # a next turn is hit again where it ends: no end region (-1)
+        margin = -1 if r.next_turn else self.PROMPT_TAIL // self.T
         hi = min(hi, len(hashes))
         return [e for e in range(max(lo, 1), hi + 1)
                 if end - margin <= e <= end or hashes[e - 1] in marks]
@@ -620,8 +620,8 @@ class MambaState(SpecManager):
         self.alloc.claim(self.s, [pid])
         r.pending[self.s].append((0, pid))
 
-    # Checkpoints a prompt takes at most: its end region's (two grid points) and the
-    # latest marked branch points'.
+    # Checkpoints a prompt takes at most: its end region's (one or two grid points) and
+    # the latest marked branch points'.
     PROMPT_POINTS = 4
 
     def _checkpoints(self, r: RequestKV, lo: int, hi: int) -> list[int]:
