@@ -71,8 +71,8 @@ def test_decode_steps_count_every_token_after_the_first() -> None:
 
 
 def test_a_small_sharegpt_trace_finishes_every_request() -> None:
-    # (Its wall time, ~1 s, is docs/benchmarks.md's "Speed"; a bound here failed on a
-    # loaded machine.)
+    # Its wall time (1.7-2.9 s on a 2-core Zen 5) is not asserted: a 5 s bound failed
+    # while other simulations ran on the same cores.
     cfg = SimConfig(get_model("llama-3.1-8b"), get_gpu("h100"), policy="jenga",
                     max_model_len=8192)
     res = simulate(load_trace("sharegpt:n=100,rate=20,max_len=4000"), cfg)
