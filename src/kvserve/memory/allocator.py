@@ -282,6 +282,8 @@ class TwoLevelAllocator:
         the large page keeps its cached pages and takes the request's key when they
         are released, as any page the request holds (the latest of its pages').
         """
+        if want >= sp.k:  # an unused large page has fewer than k empty pages
+            return -1
         for i, lp in enumerate(reversed(sp.idle)):
             if i == self.ADOPT_SCAN:
                 break
