@@ -909,3 +909,41 @@ def test_a_prompt_takes_state_checkpoints_only_where_a_hit_can_use_them():
     assert 32 in {sp.plen[p] for p, h in enumerate(sp.hash) if h}
     assert serve(mgr, "c", ARTICLE[:40] + [800 + i for i in range(30)]) == 32
     check_invariants(mgr)
+
+
+def test_a_decode_past_several_marked_points_holds_one_state_past_its_prompt():
+    """peak_pages counts one held state past the prompt: a decode that passes several
+    marked grid points holds the latest only, and the ones before stay cached by
+    recency (a branch there still hits), not held beyond the peak the wait and
+    feasibility rules plan for."""
+    state = KVSpec("mamba", LayerKind.MAMBA, 1, PAGE, checkpoint_every=8 * T)
+    mgr = make(300, (FULL, state))
+    m, sp = mgr.managers[1], mgr.alloc.specs[1]
+    prompt = ARTICLE[:40]
+    seq = prompt + [900 + i for i in range(200)]
+    hashes: list = []
+    extend_block_hashes(hashes, seq, T)
+    marked = range(64, 240, 32)  # six grid points past the 40-token prompt
+    for pos in marked:
+        mgr.reuse.mark(hashes[pos // T - 1])
+    mgr.begin_step()
+    mgr.add_request("a", list(prompt))
+    mgr.lookup("a")
+    assert mgr.allocate_slots("a", len(prompt))
+    mgr.advance("a", len(prompt))
+    r = mgr.reqs["a"]
+    for tok in seq[len(prompt):]:
+        mgr.begin_step()
+        r.tokens = r.tokens + [tok]
+        assert mgr.allocate_slots("a", 1)
+        mgr.advance("a", 1)
+        held = r.held.get(1, [])
+        assert sum(sp.plen[p] > len(prompt) for p in held) <= 1
+        pages = {p for p in r.tables[1]} | {p for pos, p in r.pending[1] if pos > 0} | set(held)
+        assert len(pages) <= m.peak_pages(len(r.tokens), 40, ())
+    mgr.begin_step()
+    mgr.finish("a")
+    check_invariants(mgr)
+    for pos in marked:  # every marked state stays cached, none of them DEAD
+        pid = sp.cached[hashes[pos // T - 1]]
+        assert sp.last[pid] != DEAD

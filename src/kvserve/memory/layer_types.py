@@ -703,10 +703,23 @@ class MambaState(SpecManager):
             if h is None or self.reuse is None:
                 self.alloc.free(s, [pid], now)
             elif self._serves_reuse_point(r, pos // self.T):
-                r.held.setdefault(s, []).append(pid)
+                self._hold(r, pid, pos, now)
             else:  # cached, but evicted first
                 self.alloc.free(s, [pid], DEAD)
         r.pending[s] = keep
+
+    def _hold(self, r: RequestKV, pid: int, pos: int, now: int) -> None:
+        """Hold the state at pos for a reuse point. Past the prompt only the latest one
+        (peak_pages counts one there, and the wait and feasibility rules plan by it): a
+        decode passing several marked points lets the one before go, cached by recency."""
+        held = r.held.setdefault(self.s, [])
+        if pos > r.prompt_len:
+            plen = self.alloc.specs[self.s].plen
+            past = [p for p in held if plen[p] > r.prompt_len]
+            if past:
+                held[:] = [p for p in held if plen[p] <= r.prompt_len]
+                self.alloc.free(self.s, past, now)
+        held.append(pid)
 
     def release_inactive(self, r: RequestKV, c: int, now: int) -> None:
         """Prefix caching off: no lookup will restore a checkpoint, so each one goes as
