@@ -517,6 +517,31 @@ def test_without_a_backlog_at_most_a_few_loop_misses_run_at_once():
     check_invariants(mgr)
 
 
+@pytest.mark.parametrize("pages, waits", [(120, True), (140, False)])
+def test_without_a_backlog_a_loop_miss_that_would_evict_the_kept_cache_waits(pages, waits):
+    """Below the cap, a document loop miss runs beside another only in the pages the loop
+    rule gives up (free, dead, loop members'): computed beside it, its peak would evict
+    the documents that keep hitting, for room that stays the loop's afterwards. Alone,
+    it runs regardless."""
+    mgr = make(pages)
+    mgr.LONG_PROMPT = 32  # 64 tokens count as a document
+    for d in range(3):  # three documents that keep hitting (step keys), 25 pages each
+        serve(mgr, f"doc{d}", [1000 * (d + 1) + j for j in range(64)], out=0)
+    mgr.begin_step()
+    _looked_up(mgr, "a", [100 + i for i in range(64)], loop=True, gap=3)
+    assert mgr.allocate_slots("a", 64)  # a loop miss that decodes now
+    mgr.advance("a", 64)
+    _looked_up(mgr, "b", [300 + i for i in range(64)], loop=True, gap=3)
+    # "b" peaks at 16 full + 16 sliding pages; free and dead: 20 of 120, 40 of 140.
+    assert mgr.waits_for_running("b", 64) is waits
+    mgr.abort("b")
+    mgr.finish("a")
+    _looked_up(mgr, "b", [300 + i for i in range(64)], loop=True, gap=3)
+    assert not mgr.waits_for_running("b", 64)  # alone
+    mgr.abort("b")
+    check_invariants(mgr)
+
+
 def test_two_loop_misses_that_both_fit_prefill_side_by_side():
     mgr = make(70)  # 54 free pages: both peaks (48) fit
     _looked_up(mgr, "a", [100 + i for i in range(64)], loop=True, gap=3)
