@@ -572,15 +572,16 @@ class KVCacheManager:
           victim, so every document computed beside it costs the set that
           keeps hitting one more: the room a burst of misses takes from that
           set stays the loop's afterwards. With a backlog they go one at a
-          time, and the hits queued behind start meanwhile; without one they
+          time, and the hits queued behind start meanwhile. Gemma 3 12B at
+          4/s: 32 articles round-robin 56.3% -> 65.2%, shuffled 56.9% ->
+          66.4%, 64 articles 51.4% -> 58.9% and 58.5% -> 64.5%. Without one,
+          one at a time made waits stack into a queue at 1/s (64 articles:
+          ten times the mean TTFT for no hits); the cap only trims the bursts
+          of Poisson arrivals (docs/benchmarks.md has both), and below it they
           go together only where they fit beside the set (Jamba 1.5 Mini,
           round-robin 64 at 1/s, 28.2% -> 31.3% for a mean TTFT of 0.28 ->
           0.43 s; Gemma 3 12B round-robin 32 at 1/s 45.4% -> 49.5% for 0.47
-          -> 0.81 s). Gemma 3 12B at 4/s: 32 articles round-robin 56.3% ->
-          65.2%, shuffled 56.9% -> 66.4%, 64 articles 51.4% -> 58.9% and 58.5%
-          -> 64.5%. Without one, one at a time made waits stack into a queue at
-          1/s (64 articles: ten times the mean TTFT for no hits); the cap only
-          trims the bursts of Poisson arrivals (docs/benchmarks.md has both).
+          -> 0.81 s).
           Shorter prompts (chat turns) are left out: there the wait lasted
           whole answers (from 2,048 tokens up: ShareGPT chat, 200 sessions at
           2/s, 21.0% -> 20.6% with a higher TTFT; with no length limit 25.3%
