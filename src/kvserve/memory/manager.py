@@ -593,12 +593,11 @@ class KVCacheManager:
                 # Allocated past its hit: admitted, this step or before. Counted up to
                 # the limit only: this runs for every queued document miss each step.
                 limit = 1 if waiting > self.SHORT_QUEUE else self.MAX_LOOP_MISSES
-                running = (o for o in self.reqs.values()
-                           if o is not r and o.num_alloc > o.num_hit and _loop_miss(o)
-                           and o.prompt_len > self.LONG_PROMPT)
-                if next(running, None) is not None and (
-                        limit == 1 or next(islice(running, limit - 2, None), None) is not None
-                        or not self._fits([r], num_new_tokens, 0)):
+                misses = (o for o in self.reqs.values()
+                          if o is not r and o.num_alloc > o.num_hit and _loop_miss(o)
+                          and o.prompt_len > self.LONG_PROMPT)
+                running = list(islice(misses, limit))
+                if running and (len(running) == limit or not self._fits([r], num_new_tokens, 0)):
                     return True
             others = [o for o in self.computing.values() if o is not r and _loop_miss(o)]
             if others and not self._fits([r, *others], num_new_tokens, DEAD + 1):
