@@ -2,7 +2,7 @@
 
 from collections import Counter
 
-from kvserve.memory import KVCacheManager
+from kvserve.memory import NO_PAGE, KVCacheManager, LayerKind
 from kvserve.memory.allocator import EMPTY, EVICTABLE, USED
 
 
@@ -60,7 +60,20 @@ def check_invariants(mgr: KVCacheManager, lent: int = 0) -> None:
             assert sp.hash[pid] == h and state[pid] != EMPTY
 
 
-def _pending_is_page(mgr: KVCacheManager, s: int) -> bool:
-    from kvserve.memory import LayerKind
+def check_state_peak(mgr: KVCacheManager, chunk: int) -> None:
+    """fits_alone and the wait rules count a request's Mamba pages by peak_pages: the
+    live state, the tail, the checkpoints its prompt holds for reuse points and one past
+    its prompt (with caching; without it, every grid point of a `chunk`-token step)."""
+    for r in mgr.reqs.values():
+        for m in mgr.managers:
+            if m.spec.kind is not LayerKind.MAMBA:
+                continue
+            s = m.s
+            mine = {p for p in r.tables[s] if p != NO_PAGE}
+            mine |= {p for pos, p in r.pending[s] if pos > 0}
+            mine |= set(r.held.get(s, ()))
+            assert len(mine) <= m.peak_pages(len(r.tokens), chunk, ())
 
+
+def _pending_is_page(mgr: KVCacheManager, s: int) -> bool:
     return mgr.layout.specs[s].kind is LayerKind.MAMBA

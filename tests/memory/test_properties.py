@@ -11,7 +11,7 @@ import math
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from invariants import check_invariants
+from invariants import check_invariants, check_state_peak
 
 from kvserve.memory import NO_PAGE, ImageInput, KVCacheManager, KVSpec, LayerKind
 from kvserve.memory.baselines import policy_layout
@@ -212,18 +212,7 @@ class MemoryCore(RuleBasedStateMachine):
 
     @invariant()
     def state_pages_stay_within_the_peak(self):
-        # fits_alone and the wait rules count a request's Mamba pages by peak_pages: the
-        # live state, the tail, the checkpoints its prompt holds for reuse points and
-        # one past its prompt (with caching; without it, every grid point of a step).
-        for r in self.mgr.reqs.values():
-            for m in self.mgr.managers:
-                if m.spec.kind is not LayerKind.MAMBA:
-                    continue
-                s = m.s
-                mine = {p for p in r.tables[s] if p != NO_PAGE}
-                mine |= {p for pos, p in r.pending[s] if pos > 0}
-                mine |= set(r.held.get(s, ()))
-                assert len(mine) <= m.peak_pages(len(r.tokens), 40, ())
+        check_state_peak(self.mgr, 40)
 
     @invariant()
     def stats_add_up(self):
