@@ -9,7 +9,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import gguf
 import torch
+from gguf import GGUFReader  # gguf's own, also while gguf_parsed_once stands in for it
 
 from kvserve.models import Gemma3Config, Gemma3ForCausalLM
 
@@ -39,34 +41,37 @@ class HfGreedy:
 _GGUF_READERS: dict[tuple[str, int, int], Any] = {}
 
 
+def gguf_reader(path: str | os.PathLike[str]) -> Any:
+    """One read-only ``gguf.GGUFReader`` per file for the session.
+
+    Building one reads the 262k-entry vocabulary field by field (15-20 s on 2 cores); the
+    reader is a read-only memory map of the file, so handing the same one out again changes
+    nothing a caller reads.
+    """
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if key not in _GGUF_READERS:
+        _GGUF_READERS[key] = GGUFReader(path, "r")
+    return _GGUF_READERS[key]
+
+
 @contextlib.contextmanager
 def gguf_parsed_once() -> Iterator[None]:
     """Inside this block, transformers' GGUF loading parses each file once per session.
 
     transformers builds a new ``gguf.GGUFReader`` for a model's config, again for its tensors
-    and again for a tokenizer's config; each one reads the 262k-entry vocabulary field by field
-    (15-20 s on 2 cores). The reader is a read-only memory map of the file, so handing the
-    same one out again changes nothing transformers reads: the config, the dequantisation and
-    the tokenizer conversion are still its own, from the file.
+    and again for a tokenizer's config; each is ``gguf_reader``'s one per file instead, so
+    the config, the dequantisation and the tokenizer conversion are still transformers' own,
+    from the file.
     """
-    import gguf
-
-    real = gguf.GGUFReader
-
     def reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
-        if mode != "r":
-            return real(path, mode)
-        st = os.stat(path)
-        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
-        if key not in _GGUF_READERS:
-            _GGUF_READERS[key] = real(path, mode)
-        return _GGUF_READERS[key]
+        return gguf_reader(path) if mode == "r" else GGUFReader(path, mode)
 
     gguf.GGUFReader = reader  # transformers imports it from gguf at each call
     try:
         yield
     finally:
-        gguf.GGUFReader = real
+        gguf.GGUFReader = GGUFReader
 
 
 def ledger_text(lines: int) -> str:

@@ -3,9 +3,11 @@ rounding against kernels/q5.py, and q5_blocks against the GGUF's own Q5_0 tensor
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
+from hf_reference import gguf_reader
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_qmatmul import check_matmul, random_q5
@@ -80,12 +82,11 @@ def test_q5_quantize_packs_what_q5_blocks_rounds(kernels, k: int) -> None:
 @pytest.fixture(scope="session")
 def gguf_q5(gguf_path: Path) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """(name, raw blocks [rows, blocks, 22], dequantized float32 [rows, K]) of each Q5_0
-    tensor in the file. Reading them takes 15-20 s: once for the session, since pytest
-    runs this module once per build of the session-scoped `kernels` and would set a
-    module-scoped fixture up again each time."""
-    gguf = pytest.importorskip("gguf")
+    tensor in the file: once for the session, since pytest runs this module once per build
+    of the session-scoped `kernels` and would set a module-scoped fixture up again each
+    time; the file is parsed once for the session too (gguf_reader, shared with HF's load)."""
     tensors = []
-    for t in gguf.GGUFReader(gguf_path).tensors:
+    for t in gguf_reader(gguf_path).tensors:
         if t.tensor_type == gguf.GGMLQuantizationType.Q5_0:
             rows = int(np.prod(t.shape[1:]))
             raw = np.asarray(t.data).reshape(rows, -1, 22)
