@@ -3,8 +3,8 @@
     python benchmarks/cpu_linears.py [--repeat 20] [--tokens 1,8,32,128,512] [--only q8,...]
         [--cold 96]
 
-Candidates: float32 F.linear; float32 as kvserve runs it (layers.linear: a few rows times
-the 262k-row head as weight @ rows.T); bf16 F.linear (oneDNN, native only with AVX-512 BF16/AMX);
+Candidates: float32 F.linear; float32 as kvserve runs it (layers.linear: a few rows as
+weight @ rows.T); bf16 F.linear (oneDNN, native only with AVX-512 BF16/AMX);
 bf16 packed (oneDNN's prepacked weight: what q8+bf16 ran above its Q8_0 rows before our
 kernel); bf16 kernel (ours, kernels/bf16gemm.c: AMX's tiles, or vdpbf16ps where the CPU has
 AVX-512 BF16 but no tiles; q8+bf16 above its Q8_0 rows); int8 blocks
@@ -124,7 +124,7 @@ def i8_linear(w: torch.Tensor):
 # name: a function of the float weight giving the candidate's x -> x @ w.T
 MAKERS = {
     "f32": lambda w: lambda x: torch.nn.functional.linear(x, w),
-    # what kvserve runs for float32 (layers.linear: a few rows times the head as w @ x.T)
+    # what kvserve runs for float32 (layers.linear: a few rows as w @ x.T)
     "f32 kvserve": lambda w: torch.inference_mode()(
         partial(linear, weight=w, packed=Derived(Bf16Gemm))),
     "bf16": bf16_linear,

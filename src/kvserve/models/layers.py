@@ -65,8 +65,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Derived,
 
 
 TALL_ROWS = 1 << 15  # a vocabulary's head; the layers' projections have a few thousand rows
-
-
 SMALL_WEIGHT = 1 << 19  # below this, F.linear's fewer calls win (a tiny test model: ~15 us)
 
 
