@@ -83,8 +83,11 @@ def long_prompt(kv: KvModel) -> list[int]:
     return ids
 
 
-def pytest_report_header() -> str:
-    """Which CPU paths this run covers (native bf16, AVX-512 kernels, or AVX2 only)."""
-    from kvserve.cpu_features import summary
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Which CPU paths this run covers (native bf16, AVX-512 kernels, or AVX2 only): a
+    line that `-q` (pyproject's addopts) keeps, unlike a report header, which it hides."""
+    terminal = session.config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is not None:
+        from kvserve.cpu_features import summary
 
-    return f"cpu: {summary()}"
+        terminal.write_line(f"cpu: {summary()}")
