@@ -13,6 +13,8 @@ scheduler's token budget or, if smaller, the chunk it gives misses).
 Belady bounds, `vs peak` over the peak bound. `blind` is not a bound but what
 an online policy can expect on a shuffled trace: the peak bound's pool kept by
 each unit's remaining uses instead of its next one (`vs blind`: jenga over it).
+`lru` is what recency alone gets in the same pool: units by their last use, each
+cached after its request whether or not it comes back (`vs lru`: jenga over it).
 The bounds admit requests in the order each run saw them arrive (a conversation's
 next turn comes after its previous answer, so the order depends on the run); the
 scheduler may reorder a backlog (KVCacheManager.can_start), so jenga can pass them
@@ -80,6 +82,7 @@ def run_point(trace_spec: str, args: argparse.Namespace) -> dict:
         row[f"{policy}_peak"] = belady(seen, pool, size, 16, peak)
         if policy == "jenga":
             row["jenga_blind"] = belady(seen, pool, size, 16, peak, order_blind=True)
+            row["jenga_lru"] = belady(seen, pool, size, 16, peak, recency=True)
         row[f"{policy}_pool_gb"] = sim.kv.pool_bytes / 1e9
     row["bound"] = min(row["infinite"], row["jenga_belady"])
     return row
@@ -88,15 +91,17 @@ def run_point(trace_spec: str, args: argparse.Namespace) -> dict:
 def print_row(row: dict, header: bool) -> None:
     if header:
         print(f"{'trace':<58}{'uniform':>8}{'jenga':>8}{'ratio':>7}{'inf':>8}"
-              f"{'belady':>8}{'vs bound':>9}{'+peak':>8}{'vs peak':>9}{'blind':>8}{'vs blind':>9}")
+              f"{'belady':>8}{'vs bound':>9}{'+peak':>8}{'vs peak':>9}{'blind':>8}{'vs blind':>9}"
+              f"{'lru':>8}{'vs lru':>8}")
     ratio = row["jenga"] / row["uniform"] if row["uniform"] else float("inf")
     vs = row["jenga"] / row["bound"] if row["bound"] else 1.0
     vs_peak = row["jenga"] / row["jenga_peak"] if row["jenga_peak"] else 1.0
     vs_blind = row["jenga"] / row["jenga_blind"] if row["jenga_blind"] else 1.0
+    vs_lru = row["jenga"] / row["jenga_lru"] if row["jenga_lru"] else float("inf")  # loops
     print(f"{row['trace']:<58}{row['uniform']:>8.1%}{row['jenga']:>8.1%}{ratio:>7.2f}"
           f"{row['infinite']:>8.1%}{row['jenga_belady']:>8.1%}{vs:>9.1%}"
           f"{row['jenga_peak']:>8.1%}{vs_peak:>9.1%}{row['jenga_blind']:>8.1%}"
-          f"{vs_blind:>9.1%}", flush=True)
+          f"{vs_blind:>9.1%}{row['jenga_lru']:>8.1%}{vs_lru:>8.1%}", flush=True)
 
 
 def traces(args: argparse.Namespace) -> list[str]:

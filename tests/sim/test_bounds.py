@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.sim.bounds import belady, infinite_pool
-from kvserve.sim.traces import TraceRequest
+from kvserve.sim.traces import OUTPUT_TOKEN, TraceRequest
 
 
 def _trace(units: list[int], prefix: int = 64, out: int = 4) -> list[TraceRequest]:
@@ -71,3 +71,43 @@ def test_knowing_when_beats_knowing_how_often(units, capacity):
     # Units of one size: MIN is optimal, so no ranking of them hits more.
     trace = _trace(units)
     assert belady(trace, capacity, tokens, order_blind=True) <= belady(trace, capacity, tokens)
+
+
+def test_the_recency_reference_is_lru_that_caches_what_never_comes_back():
+    total = lambda trace: sum(r.prompt_len for r in trace)  # noqa: E731
+    # A loop one unit longer than the room: LRU evicts each unit just before it returns.
+    loop = _trace([0, 1, 2, 0, 1, 2])
+    assert belady(loop, 2 * 64, tokens, recency=True) == 0.0
+    assert belady(loop, 2 * 64, tokens) > 0.0
+    # Unit 2 is used once. MIN bypasses it; LRU caches it over unit 0, whose miss then
+    # evicts unit 1: both come back to nothing.
+    once = _trace([0, 1, 2, 0, 1])
+    assert belady(once, 2 * 64, tokens) == 2 * 64 / total(once)
+    assert belady(once, 2 * 64, tokens, recency=True) == 0.0
+    # Recency's own strength: what was used last comes back first.
+    near = _trace([0, 1, 1, 0])
+    assert belady(near, 64, tokens, recency=True) == 64 / total(near)
+
+
+def test_the_recency_reference_keeps_a_conversation_whole():
+    # Without a shared prefix length (a conversation), the unit is the whole sequence so
+    # far, prompt and answer: the next turn starts with it and hits its three full blocks.
+    sent = list(range(48))
+    first = TraceRequest("t0", 0.0, 16, prompt_ids=sent, prefix_id="chat")
+    second = TraceRequest("t1", 1.0, 4, prompt_ids=sent + [OUTPUT_TOKEN] * 15
+                          + list(range(100, 133)), prefix_id="chat")
+    total = first.prompt_len + second.prompt_len
+    assert infinite_pool([first, second]) == 48 / total
+    assert belady([first, second], 48, tokens, recency=True) == 48 / total
+    assert belady([first, second], 47, tokens, recency=True) == 0.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(units=st.lists(st.integers(0, 5), min_size=1, max_size=30),
+       capacity=st.integers(0, 600), peak=st.booleans())
+def test_recency_never_beats_min(units, capacity, peak):
+    # Units of one size: MIN is optimal, so no online ranking of them hits more.
+    trace = _trace(units)
+    room = tokens if peak else None
+    assert (belady(trace, capacity, tokens, peak=room, recency=True)
+            <= belady(trace, capacity, tokens, peak=room))

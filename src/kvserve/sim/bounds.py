@@ -25,6 +25,13 @@
   used (known), not when: the fewest remaining uses go first. On a trace
   whose order is random this is about the best an online policy can expect;
   on a loop (every unit used as often) it keeps an arbitrary set.
+- `belady` with `recency`: not a bound either, but what recency alone gets in
+  the same idealised pool: units kept by their last use (LRU), each cached
+  after its request whether or not it comes back (no policy knows that a
+  conversation ended or that an article's last question was asked), at
+  the size of what a next request could hit: its shared prefix (an
+  article), else its whole sequence (a conversation so far). Where jenga is
+  far below MIN but close to this, the rest is knowing the future.
 
 All count as the simulator does: hit tokens over prompt tokens at each
 request's first lookup, a hit of at most (prompt_len - 1) // T blocks.
@@ -100,10 +107,11 @@ def peak_bytes(kv: KVCacheManager, chunk: int) -> Callable[[int], int]:
 
 def belady(trace: Sequence[TraceRequest], capacity: int, size: Callable[[int], int],
            T: int = 16, peak: Callable[[int], int] | None = None,
-           order_blind: bool = False) -> float:
+           order_blind: bool = False, recency: bool = False) -> float:
     """The hit rate of offline MIN over prefix units in `capacity` bytes (see module doc);
     with `peak`, each request's own peak room is kept free while it runs; with
-    `order_blind`, units are ranked by their remaining uses instead of their next one."""
+    `order_blind`, units are ranked by their remaining uses instead of their next one;
+    with `recency`, by their last use, and cached as an online cache would (LRU)."""
     ordered = sorted(trace, key=lambda r: r.arrival)
     hits = _hits(ordered, T)
     nxt: list[int] = [len(ordered)] * len(ordered)  # next request of the same unit
@@ -114,29 +122,37 @@ def belady(trace: Sequence[TraceRequest], capacity: int, size: Callable[[int], i
             if tr.prefix_id in last:
                 nxt[i], left[i] = last[tr.prefix_id], left[last[tr.prefix_id]] + 1
             last[tr.prefix_id] = i
-    cached: dict[str, tuple[int, int]] = {}  # unit -> (rank, bytes)
+    cached: dict[str, tuple[int, int, int]] = {}  # unit -> (rank, bytes, tokens)
     heap: list[tuple[int, str]] = []  # (rank, unit), lowest first out; stale entries skipped
     used = got = 0
     for i, tr in enumerate(ordered):
         u = tr.prefix_id  # None: shares nothing, but takes room while it runs
-        hit = u in cached
-        if hit:
-            got += hits[i]
-            used -= cached.pop(u)[1]
+        h = 0  # tokens hit
+        if u in cached:
+            _, nbytes, kept = cached.pop(u)
+            h = min(hits[i], kept)
+            used -= nbytes
+        got += h
         j = nxt[i]
-        need = size(hits[j]) if j < len(ordered) else 0
+        if recency:  # what a next request could hit, whether or not one comes
+            keeps = u is not None
+            keep = (tr.prefix_len or tr.prompt_len + tr.output_len - 1) // T * T
+        else:
+            keeps = j < len(ordered)
+            keep = hits[j] if keeps else 0
+        need = size(keep) if keeps else 0
         # Room the request holds while it runs: its peak for what it computes, and the
         # pages it hit. Kept cached, its unit's bytes are part of that room, not added
         # to it; evicted (MIN bypasses a unit needed later than the rest), it still
         # holds all of it until it finishes.
         held = 0
         if peak is not None:
-            held = peak(tr.prompt_len - hits[i] * hit + tr.output_len)
-            held += size(hits[i]) if hit else 0
+            held = peak(tr.prompt_len - h + tr.output_len) + (size(h) if h else 0)
         extra = held
-        if j < len(ordered) and max(need, held) <= capacity:
-            rank = left[i] if order_blind else -j  # fewest uses left / furthest next use
-            cached[u] = (rank, need)
+        if keeps and max(need, held) <= capacity:
+            # fewest uses left / least recently used / furthest next use
+            rank = left[i] if order_blind else i if recency else -j
+            cached[u] = (rank, need, keep)
             used += need
             heapq.heappush(heap, (rank, u))
             extra = max(0, held - need)
