@@ -712,6 +712,24 @@ def test_a_next_turn_hits_the_state_at_the_previous_sequences_last_block():
     assert not any(sp.ref)  # every tail went with its request
 
 
+def test_a_next_turn_leaves_the_state_it_restored_from_with_the_key_it_had():
+    """A conversation goes on past the state its next turn restores from: a restore is no
+    use of it, so it keeps the key its turn cached it with instead of outliving other
+    conversations' latest states."""
+    state = KVSpec("mamba", LayerKind.MAMBA, 1, PAGE, checkpoint_every=4 * T)
+    mgr = make(200, (FULL, state))
+    sp = mgr.alloc.specs[1]
+    a = ARTICLE + [500, 501, 502]
+    serve(mgr, "a", a, out=10)
+    b = a + _answer(10) + [7000 + i for i in range(9)]
+    serve(mgr, "b", b, out=2)
+    (tail,) = [p for p, h in enumerate(sp.hash) if h and sp.plen[p] == 88]  # b's end
+    cached_at = sp.last[tail]
+    c = b + _answer(2) + [8000 + i for i in range(5)]
+    assert serve(mgr, "c", c) == 88  # restored from b's tail
+    assert sp.hash[tail] is not None and sp.last[tail] == cached_at < mgr.now
+
+
 def _message(k: int, msg: int) -> list[int]:
     """Turn k's new message of `msg` tokens in `_conversation`."""
     return [50_000 + 100 * k + i for i in range(msg)]

@@ -700,7 +700,12 @@ class MambaState(SpecManager):
                 h = r.hashes[pos // self.T - 1]
                 if not self.alloc.insert(s, pid, h, pos):
                     h = None
-            if h is None or self.reuse is None:
+            if pos == 0 and r.next_turn and self.reuse is not None:
+                # The state this turn restored from: its conversation goes on past it, so
+                # the restore is no use of it; it keeps its key (Jamba chat, 400 sessions
+                # at 2/s: 74.1% -> 76.4%; docs/benchmarks.md).
+                self.alloc.unclaim(s, [pid])
+            elif h is None or self.reuse is None:
                 self.alloc.free(s, [pid], now)
             elif self._serves_reuse_point(r, pos // self.T):
                 self._hold(r, pid, pos, now)
