@@ -1,8 +1,10 @@
 """Hypothesis state machine over random interleavings of every spec kind.
 
-Pages carry fake content: the token ids (and image signature) written into
-each slot, so a reported prefix hit can be checked against the request's own
-tokens, and a stale cache entry would show up as wrong content.
+Requests arrive over shared prefixes, and as next turns of finished
+conversations (the Mamba spec's tails serve those). Pages carry fake
+content: the token ids (and image signature) written into each slot, so a
+reported prefix hit can be checked against the request's own tokens, and a
+stale cache entry would show up as wrong content.
 """
 
 import copy
@@ -49,8 +51,8 @@ class MemoryCore(RuleBasedStateMachine):
 
     @initialize(policy=st.sampled_from(["jenga", "jenga", "static", "max_page"]),
                 large_pages=st.integers(8, 40), window_only=st.booleans(),
-                tail=st.sampled_from([None, 16]))
-    def setup(self, policy, large_pages, window_only, tail):
+                tail=st.sampled_from([None, 16]), chats=st.booleans())
+    def setup(self, policy, large_pages, window_only, tail, chats):
         probe = policy_layout(policy, SPECS, T)[0]
         self.mgr = KVCacheManager(
             SPECS, probe.large_page_bytes * large_pages, tokens_per_page=T, policy=policy,
@@ -59,9 +61,12 @@ class MemoryCore(RuleBasedStateMachine):
         self.window_only = window_only
         if tail is not None:  # a prompt end region shorter than the prompts: some of a
             self.mgr.reuse.PROMPT_TAIL = tail  # windowed spec's blocks serve no reuse point
+        if chats:  # as after a conversation's next turn: answers' ends are kept from the start
+            self.mgr.reuse.continued = 1
         self.content = {}  # (spec, pid) -> {slot: identity}
         self.prompt_len = {}
         self.next_id = 0
+        self.sequences = []  # finished requests' tokens: a next turn extends one
 
     # ------------------------------------------------------------ helpers
 
@@ -106,8 +111,9 @@ class MemoryCore(RuleBasedStateMachine):
                     got = self.content[(s, table[pos // T])].get(pos % T)
                     assert got == self.identity(r, pos), f"{spec.name} hit holds wrong KV"
             elif spec.kind is LayerKind.MAMBA and hit:
+                # A grid checkpoint, or a finished turn's tail at its last full block.
                 (pos, pid), = r.pending[s]
-                assert pos == 0 and hit % spec.checkpoint_every == 0
+                assert pos == 0
                 want = tuple(self.identity(r, p) for p in range(hit))
                 assert self.content[(s, pid)] == want, "mamba checkpoint holds a wrong state"
             elif spec.kind in (LayerKind.CROSS, LayerKind.VISION):
@@ -135,6 +141,19 @@ class MemoryCore(RuleBasedStateMachine):
             off = min(off, len(tokens) - 1)
             n = min(n, len(tokens) - off)
             images.append(ImageInput(h, off, n))
+        self.start(tokens, images)
+
+    @precondition(lambda self: self.sequences)
+    @rule(pick=st.integers(0, 1 << 16), cut=st.integers(0, 3),
+          suffix=st.lists(st.integers(1, 5), min_size=1, max_size=30))
+    def next_turn(self, pick, cut, suffix):
+        """A conversation goes on: a finished request's sequence (answer included, or a
+        few tokens short of it, as a client's re-tokenized reply) with a new message."""
+        seq, images = self.sequences[-1 - pick % len(self.sequences)]
+        seq = seq[:len(seq) - cut]
+        self.start(seq + suffix, [im for im in images if im.offset + im.num_tokens <= len(seq)])
+
+    def start(self, tokens, images):
         rid = self.next_id
         self.next_id += 1
         self.mgr.add_request(rid, tokens, images)
@@ -146,8 +165,23 @@ class MemoryCore(RuleBasedStateMachine):
     @precondition(lambda self: self.mgr.reqs)
     @rule(pick=st.integers(0, 1 << 16), chunk=st.integers(1, 40), token=st.integers(1, 5))
     def step(self, pick, chunk, token):
+        self.run(sorted(self.mgr.reqs)[pick % len(self.mgr.reqs)], chunk, token)
+
+    @precondition(lambda self: self.mgr.reqs)
+    @rule(pick=st.integers(0, 1 << 16), tokens=st.lists(st.integers(1, 5), min_size=2,
+                                                        max_size=20))
+    def answer(self, pick, tokens):
+        """Decode steps of one request in a row (its prompt first, if need be): long
+        answers take the tail's block boundaries that a next turn hits."""
+        rid = sorted(self.mgr.reqs)[pick % len(self.mgr.reqs)]
+        for token in tokens:
+            if not self.run(rid, 40, token):
+                return
+
+    def run(self, rid, chunk, token):
+        """One step of request rid: up to `chunk` prompt tokens, else one decoded token.
+        False where it found no pages (and then nothing changed)."""
         mgr = self.mgr
-        rid = sorted(mgr.reqs)[pick % len(mgr.reqs)]
         r = mgr.reqs[rid]
         mgr.begin_step()
         c = r.num_computed
@@ -158,14 +192,18 @@ class MemoryCore(RuleBasedStateMachine):
         before = snapshot(mgr)
         if not mgr.allocate_slots(rid, n):
             assert snapshot(mgr) == before, "a failed allocation changed state"
-            return
+            return False
         self.write(rid, c, c + n)
         mgr.advance(rid, n)
+        return True
 
     @precondition(lambda self: self.mgr.reqs)
     @rule(pick=st.integers(0, 1 << 16), abort=st.booleans())
     def finish(self, pick, abort):
         rid = sorted(self.mgr.reqs)[pick % len(self.mgr.reqs)]
+        r = self.mgr.reqs[rid]
+        if r.num_computed > r.prompt_len:
+            self.sequences.append((list(r.tokens), list(r.images)))
         self.mgr.begin_step()
         (self.mgr.abort if abort else self.mgr.finish)(rid)
         assert rid not in self.mgr.reqs
@@ -223,7 +261,7 @@ class MemoryCore(RuleBasedStateMachine):
 
 
 MemoryCore.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=50, deadline=None,
+    max_examples=120, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestMemoryCore = MemoryCore.TestCase
