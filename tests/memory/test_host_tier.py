@@ -59,12 +59,9 @@ class TieredCore(MemoryCore):
     def setup(self, policy, large_pages, host_pages):
         probe = policy_layout(policy, self.specs, T)[0]
         large = probe.large_page_bytes
-        self.mgr = KVCacheManager(self.specs, large * large_pages, tokens_per_page=T,
-                                  policy=policy, host_bytes=large * host_pages)
-        self.content = {}
+        self.begin(KVCacheManager(self.specs, large * large_pages, tokens_per_page=T,
+                                  policy=policy, host_bytes=large * host_pages))
         self.tiers = Tiers(self.content)
-        self.prompt_len = {}
-        self.next_id = 0
 
     def flush(self):
         self.mgr.flush(self.tiers.copy)
@@ -112,25 +109,6 @@ class TieredText(TieredCore):
                 large_pages=st.integers(4, 10), host_pages=st.integers(4, 30))
     def setup(self, policy, large_pages, host_pages):
         TieredCore.setup(self, policy, large_pages, host_pages)
-        self.done = []  # token lists of finished requests: the next turns' prefixes
-
-    @precondition(lambda self: self.mgr.reqs)
-    @rule(pick=st.integers(0, 1 << 16), abort=st.booleans())
-    def finish(self, pick, abort):
-        rid = sorted(self.mgr.reqs)[pick % len(self.mgr.reqs)]
-        self.done.append(list(self.mgr.reqs[rid].tokens))
-        super().finish(pick, abort)
-
-    @precondition(lambda self: self.done)
-    @rule(pick=st.integers(0, 1 << 16), suffix=st.lists(st.integers(1, 5), min_size=1,
-                                                       max_size=12))
-    def next_turn(self, pick, suffix):
-        """A finished conversation comes back with a new turn."""
-        tokens = self.done[pick % len(self.done)] + suffix
-        rid = self.next_id
-        self.next_id += 1
-        self.mgr.add_request(rid, tokens)
-        self.check_hit(rid, self.mgr.lookup(rid))
 
 
 TieredText.TestCase.settings = settings(

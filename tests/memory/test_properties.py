@@ -54,19 +54,23 @@ class MemoryCore(RuleBasedStateMachine):
                 tail=st.sampled_from([None, 16]), chats=st.booleans())
     def setup(self, policy, large_pages, window_only, tail, chats):
         probe = policy_layout(policy, SPECS, T)[0]
-        self.mgr = KVCacheManager(
+        self.begin(KVCacheManager(
             SPECS, probe.large_page_bytes * large_pages, tokens_per_page=T, policy=policy,
             window_only=window_only,
-        )
+        ))
         self.window_only = window_only
         if tail is not None:  # a prompt end region shorter than the prompts: some of a
             self.mgr.reuse.PROMPT_TAIL = tail  # windowed spec's blocks serve no reuse point
         if chats:  # as after a conversation's next turn: answers' ends are kept from the start
             self.mgr.reuse.continued = 1
+
+    def begin(self, mgr: KVCacheManager) -> None:
+        self.mgr = mgr
+        self.window_only = False
         self.content = {}  # (spec, pid) -> {slot: identity}
         self.prompt_len = {}
         self.next_id = 0
-        self.sequences = []  # finished requests' tokens: a next turn extends one
+        self.sequences = []  # finished requests' tokens and images: a next turn extends one
 
     # ------------------------------------------------------------ helpers
 
