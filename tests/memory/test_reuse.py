@@ -649,6 +649,33 @@ def test_a_miss_that_would_take_held_windows_prefills_in_the_largest_step_that_f
         check_invariants(mgr)
 
 
+def test_a_request_alone_gives_up_the_windows_it_would_keep_at_marks_to_fit():
+    # Windows kept at marks are speculative, and beyond the peak that fits_alone admits
+    # by. In a pool that holds the request alone only without them, it runs without them
+    # (before, its allocation failed with nothing else to wait for, and the scheduler
+    # failed the request); the window at its prompt's end, within the peak, stays.
+    doc = [7_000 + i for i in range(400)]  # 100 blocks
+    hashes: list[int] = []
+    extend_block_hashes(hashes, doc, T)
+
+    def pages(mgr: KVCacheManager) -> int:
+        mgr.add_request("probe", doc)
+        mgr.lookup("probe")
+        n = sum(m.num_new_pages(mgr.reqs["probe"], len(doc)) for m in mgr.managers)
+        mgr.abort("probe")
+        return n
+
+    probe = make(1000, window_only=True)
+    lean = pages(probe)
+    probe.reuse.mark(hashes[49])  # a branch point halfway
+    assert pages(probe) == lean + 4  # the window before it: blocks 46..49
+    mgr = make(lean + 2, window_only=True)  # room for the decode's last block, not the mark's
+    mgr.reuse.mark(hashes[49])
+    assert mgr.fits_alone(len(doc) + 2, len(doc))
+    assert serve(mgr, "a", doc) == 0  # its allocations all succeed
+    assert serve(mgr, "b", doc + [1, 2, 3]) == len(doc)
+
+
 def test_answers_go_first_until_a_conversation_continues():
     mgr = make(200)
     serve(mgr, "a", ARTICLE + [500, 501, 502], out=6)  # 16 prompt blocks, 2 of answer

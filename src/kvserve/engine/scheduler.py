@@ -139,7 +139,7 @@ class Scheduler:
         self.waiting = deque(sorted(self.waiting, key=key))
 
     def _admit_waiting(self, batch: list[Scheduled], budget: int) -> list[Request]:
-        failed = []
+        failed, dropped = [], False
         if budget > 0 and len(self.running) < self.max_num_seqs:  # else none starts
             self._order_waiting()
         i = 0  # requests before i were told to wait by the memory core: skip them
@@ -160,7 +160,14 @@ class Scheduler:
             n = self._chunk(req, hit, budget, len(self.waiting) - 1)  # the others
             if not self.kv.allocate_slots(req.request_id, n):
                 self.kv.abort(req.request_id)
-                if not self.running and not batch:  # alone in an empty pool: never fits
+                if not self.running and not batch:  # alone in the pool
+                    # Its hit's pages, and other cache, can split the large pages so that
+                    # another layer type finds none whole (a 600-token turn, Gemma 3 12B,
+                    # a pool of 48 large pages: tests/sim/test_liveness.py). Once more on
+                    # an empty cache; short then, it never fits.
+                    if hit and not dropped and self.kv.drop_cache():
+                        dropped = True  # (a host tier's hit may come back: once only)
+                        continue
                     failed.append(self.waiting[i])
                     del self.waiting[i]
                     continue

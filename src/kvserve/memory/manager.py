@@ -210,6 +210,11 @@ class KVCacheManager:
             self.alloc.evict_before(before)
         return self.alloc.free_large_pages()
 
+    def drop_cache(self) -> int:
+        """Evict every cached page no request holds; returns how many went. For a request
+        alone in the pool that finds no room beside them (Scheduler._admit_waiting)."""
+        return self.alloc.evict_before(self.now + 1)
+
     # --------------------------------------------------------------- requests
 
     def add_request(
@@ -460,11 +465,7 @@ class KVCacheManager:
         try:
             pages = self.alloc.allocate(req_id, needs)
         except OutOfPages:
-            # A running request may take what others hold for their reuse points; a
-            # new one waits for it, so admissions never split a running prefix.
-            if r.num_alloc == r.num_hit:
-                return False
-            pages = self._allocate_dropping_held(r, needs)
+            pages = self._allocate_short(r, upto, needs)
             if pages is None:
                 return False
         self._demote_cut()
@@ -732,6 +733,38 @@ class KVCacheManager:
                 pages = m.peak_pages(len(r.tokens) - r.num_alloc, chunk, r.images)
                 need[self.alloc.part[m.s]] += -(-pages // self.layout.pages_per_large[m.s])
         return all(n <= have for n, have in zip(need, supply))
+
+    def _allocate_short(self, r: RequestKV, upto: int,
+                        needs: list[tuple[int, int]]) -> list[list[int]] | None:
+        """r's pages up to `upto` where the pool is short of `needs`; None, and nothing
+        changes, if they still do not fit.
+
+        A new request waits for the running ones, so admissions never split a running
+        prefix; a running one takes what others hold for their reuse points. Then, a
+        running request or one that no other runs beside, r gives up the windows and
+        checkpoints it would keep at marks: they are speculative (a later request may
+        hit there), and beyond the peak that fits_alone admits by and the wait rules
+        plan with. A request that needed them to fit the pool alone was never run
+        (tests/sim/test_liveness.py: a 9K-token document with a marked branch point,
+        Gemma 3 12B, 1.25 GiB pool).
+        """
+        if r.num_alloc > r.num_hit:
+            pages = self._allocate_dropping_held(r, needs)
+            if pages is not None:
+                return pages
+        elif any(o is not r and o.num_alloc > o.num_hit for o in self.reqs.values()):
+            return None
+        if r.lean or self.reuse is None:
+            return None
+        r.lean = True
+        lean = [(m.s, m.num_new_pages(r, upto)) for m in self.managers]
+        if lean != needs:
+            try:
+                return self.alloc.allocate(r.req_id, lean)
+            except OutOfPages:
+                pass
+        r.lean = False
+        return None
 
     def _allocate_dropping_held(
         self, r: RequestKV, needs: list[tuple[int, int]]
