@@ -5,7 +5,8 @@ running one computes, held windows, chunk caps) reorder and delay requests;
 none may stall the engine, drop a request that fits the pool alone, or leave a
 page behind. Hypothesis draws small traces of shared documents, repeated
 questions and conversations' turns, on a sliding-window model and a Mamba
-hybrid, in pools from barely one request to several; the simulator runs the
+hybrid and a chunked-local-attention model, in pools from barely one request to
+several, with and without a host tier; the simulator runs the
 engine's own Scheduler and KVCacheManager on them.
 """
 
@@ -24,7 +25,7 @@ from kvserve.sim.traces import OUTPUT_TOKEN, UNIQUE_BASE, TraceRequest
 sys.path.insert(0, str(Path(__file__).parents[1] / "memory"))
 from invariants import check_invariants  # noqa: E402
 
-MODELS = {"gemma-3-12b": 16384, "jamba-1.5-mini": 16384}
+MODELS = {"gemma-3-12b": 16384, "jamba-1.5-mini": 16384, "llama-4-scout": 16384}
 
 question = st.tuples(
     st.integers(0, 3),              # the document it asks about
@@ -59,7 +60,7 @@ def trace_of(questions, conversations) -> list[TraceRequest]:
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # A 9K-token question alone in a 1.25 GiB pool that fitted only without the window its
 # prefill kept at a marked branch point (KVCacheManager._allocate_short).
-@example(model="gemma-3-12b", policy="jenga", kv_mib=1282, budget=None,
+@example(model="gemma-3-12b", policy="jenga", kv_mib=1282, budget=None, host_mib=0,
          questions=[(0, 603, 129, 47, 0.17), (3, 3267, 68, 58, 0.45), (2, 8291, 35, 115, 0.0),
                     (2, 8845, 118, 10, 0.3), (3, 712, 98, 79, 0.0), (3, 7686, 261, 58, 0.93),
                     (1, 204, 297, 12, 0.0), (0, 688, 362, 15, 0.0), (2, 125, 326, 53, 0.72),
@@ -67,18 +68,19 @@ def trace_of(questions, conversations) -> list[TraceRequest]:
          conversations=[[(208, 120, 2.89)]])
 # A conversation's third turn alone in 48 large pages: its hit's pages split them so that
 # the sliding layers found none whole (Scheduler._admit_waiting drops the cache).
-@example(model="gemma-3-12b", policy="jenga", kv_mib=244, budget=None,
+@example(model="gemma-3-12b", policy="jenga", kv_mib=244, budget=None, host_mib=0,
          questions=[(3, 2135, 167, 117, 0.88), (2, 202, 43, 21, 0.02)],
          conversations=[[(18, 44, 4.5), (52, 12, 4.0), (469, 42, 3.67)]])
 @given(model=st.sampled_from(sorted(MODELS)), policy=st.sampled_from(["jenga", "uniform"]),
        kv_mib=st.integers(100, 1500), budget=st.sampled_from([None, 2048]),
+       host_mib=st.sampled_from([0, 0, 400]),
        questions=st.lists(question, max_size=12),
        conversations=st.lists(conversation, max_size=3))
 def test_every_request_that_fits_alone_finishes_and_no_page_is_left(
-        model, policy, kv_mib, budget, questions, conversations) -> None:
+        model, policy, kv_mib, budget, questions, conversations, host_mib) -> None:
     trace = trace_of(questions, conversations)
     cfg = small_config(model, policy, kv_mib=kv_mib, max_model_len=MODELS[model],
-                       max_num_batched_tokens=budget)
+                       max_num_batched_tokens=budget, host_bytes=host_mib << 20)
     sim = Simulator(cfg, on_step=lambda kv, sched, batch: check_invariants(kv))
     res = sim.run(trace)  # a stall raises: "the scheduler returned an empty batch"
     assert len(res.requests) == len(trace)
