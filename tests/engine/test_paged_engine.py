@@ -185,6 +185,26 @@ def test_prompt_larger_than_the_pool_is_refused(tiny):
     assert not eng.has_unfinished()
 
 
+def test_a_sequence_outgrowing_the_pool_alone_ends_instead_of_recomputing_forever(tiny):
+    # Its prompt fits the pool alone, its answer does not. Once alone and out of pages,
+    # it preempted itself and was recomputed in chunks to the same point, without end.
+    eng = engine(tiny, kv_memory=48 << 10, max_num_batched_tokens=16)
+    p = prompts(1, [70])[0]
+    assert eng._fits(len(p) + 1) and not eng._fits(len(p) + 40)
+    eng.add_request("a", {"prompt_token_ids": p},
+                    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    outs = []
+    for _ in range(2000):
+        if not eng.has_unfinished():
+            break
+        outs += [o for o in eng.step() if o.finished]
+    assert not eng.has_unfinished() and eng.kv.stats().used == 0
+    (out,) = outs
+    got = out.outputs[0].token_ids
+    assert out.outputs[0].finish_reason == "abort" and 0 < len(got) < 40
+    assert got == reference(tiny, [p], len(got))[0]
+
+
 def test_abort_releases_pages(tiny):
     eng = engine(tiny)
     eng.add_request("a", {"prompt_token_ids": prompts(1, [30])[0]},

@@ -89,8 +89,12 @@ class Scheduler:
                 if self.lender is not None and self.lender.make_room(n):
                     continue  # lent KV out instead of preempting
                 victim = self.running.pop()
-                if victim is req and not self.running and self.lender is not None:
-                    # Alone, and no instance takes more of its KV: it can never finish.
+                if victim is req and not self.running and (
+                        self.lender is not None
+                        or not self.kv.fits_alone(len(req.token_ids) + 1, self.budget)):
+                    # Alone, and no instance takes more of its KV, or its sequence has
+                    # outgrown the pool (recomputed, it would stop here again, forever:
+                    # tests/engine/test_engine_properties.py): it can never finish.
                     self._release(req)
                     failed.append(req)
                     break

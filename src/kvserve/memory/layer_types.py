@@ -68,7 +68,8 @@ class RequestKV:
     gap: int = 0  # arrivals since its prefix was last used (0: first seen)
     loop: bool = False  # its prefix comes back at regular gaps: ReusePoints.reuse_key
     next_turn: bool = False  # a conversation's next turn: ReusePoints.next_turn
-    # it keeps no windows or checkpoints for marks (they did not fit: allocate_slots)
+    # it keeps no windows or checkpoints for reuse points (they did not fit beside its
+    # own pages: KVCacheManager._allocate_short)
     lean: bool = False
     arrival: int = 0  # its place in arrival order: the clock of reuse gaps
     # per spec: (page, hash) of cached pages a reuse point needs; stamped at finish
@@ -248,7 +249,8 @@ class ReusePoints:
         # a next turn is hit again where it ends: no end region (-1)
         margin = -1 if r.next_turn else self.PROMPT_TAIL // self.T
         hi = min(hi, len(hashes))
-        marks = () if r.lean else marks
+        if r.lean:
+            return []
         return [e for e in range(max(lo, 1), hi + 1)
                 if end - margin <= e <= end or hashes[e - 1] in marks]
 

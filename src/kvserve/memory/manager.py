@@ -741,12 +741,14 @@ class KVCacheManager:
 
         A new request waits for the running ones, so admissions never split a running
         prefix; a running one takes what others hold for their reuse points. Then, a
-        running request or one that no other runs beside, r gives up the windows and
-        checkpoints it would keep at marks: they are speculative (a later request may
-        hit there), and beyond the peak that fits_alone admits by and the wait rules
-        plan with. A request that needed them to fit the pool alone was never run
-        (tests/sim/test_liveness.py: a 9K-token document with a marked branch point,
-        Gemma 3 12B, 1.25 GiB pool).
+        running request or one that no other runs beside goes lean (`RequestKV.lean`):
+        it lets go of what it holds for its own reuse points and keeps nothing for them
+        from then on. Those windows and checkpoints only serve later requests, and can
+        pass the peak that fits_alone admits by and the wait rules plan with: a window
+        kept at a marked branch point, or a prompt end region longer than the window
+        (256 tokens against 8 on the tiny test model). A request that needed them to
+        fit the pool alone was failed, or preempted and recomputed without end
+        (tests/sim/test_liveness.py, tests/engine/test_engine_properties.py).
         """
         if r.num_alloc > r.num_hit:
             pages = self._allocate_dropping_held(r, needs)
@@ -756,14 +758,19 @@ class KVCacheManager:
             return None
         if r.lean or self.reuse is None:
             return None
+        held = dict(r.held)
+        for m in self.managers:
+            if m.s in held:
+                m.drop_held(r, self._key(r))
         r.lean = True
         lean = [(m.s, m.num_new_pages(r, upto)) for m in self.managers]
-        if lean != needs:
-            try:
-                return self.alloc.allocate(r.req_id, lean)
-            except OutOfPages:
-                pass
-        r.lean = False
+        try:
+            return self.alloc.allocate(r.req_id, lean)
+        except OutOfPages:
+            pass
+        for s, pids in held.items():  # still short: nothing changes after all
+            self.alloc.claim(s, pids)
+        r.held, r.lean = held, False
         return None
 
     def _allocate_dropping_held(
