@@ -29,14 +29,23 @@ def chat(sessions: int = 6, turns: int = 4, msg: int = 300, answer: int = 40,
          gap: float = 2.0) -> list[TraceRequest]:
     """Multi-turn sessions as sharegpt_chat builds them: each prompt is the whole
     conversation so far, the answers as the simulator samples them."""
-    out, unique = [], UNIQUE_BASE
+    out = []
     for s in range(sessions):
-        ids: list[int] = []
-        t = 0.5 * s
-        for k in range(turns):
-            unique += 1
-            ids = ids + [unique] + list(range(len(ids) + 1, len(ids) + msg))
-            out.append(TraceRequest(f"s{s}t{k}", t, answer, prompt_ids=ids, session=f"s{s}"))
-            ids = ids + [OUTPUT_TOKEN] * answer
-            t += gap
+        out += chat_session(f"s{s}", 0.5 * s, [(msg, answer, gap)] * turns,
+                            UNIQUE_BASE + s * turns)
     return sorted(out, key=lambda r: r.arrival)
+
+
+def chat_session(name: str, start: float, turns: list[tuple[int, int, float]],
+                 unique: int) -> list[TraceRequest]:
+    """One session's turns, (message tokens, answer tokens, gap after it) each, from
+    `start`; each message's first token (unique + 1, + 2, ..) makes it the session's own."""
+    out: list[TraceRequest] = []
+    ids: list[int] = []
+    t = start
+    for k, (msg, answer, gap) in enumerate(turns):
+        ids = ids + [unique + k + 1] + list(range(len(ids) + 1, len(ids) + msg))
+        out.append(TraceRequest(f"{name}t{k}", t, answer, prompt_ids=ids, session=name))
+        ids = ids + [OUTPUT_TOKEN] * answer
+        t += gap
+    return out

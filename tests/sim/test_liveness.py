@@ -18,10 +18,10 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from sim_helpers import small_config
+from sim_helpers import chat_session, small_config
 
 from kvserve.sim.simulator import Simulator
-from kvserve.sim.traces import OUTPUT_TOKEN, UNIQUE_BASE, Image, TraceRequest
+from kvserve.sim.traces import UNIQUE_BASE, Image, TraceRequest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "memory"))
 from invariants import check_invariants  # noqa: E402
@@ -49,16 +49,8 @@ def trace_of(questions, conversations, vision: bool = False) -> list[TraceReques
                                                                  1601 * (image + 1)),)
         out.append(TraceRequest(f"q{i}", t, answer, share + own, prefix_id=f"d{doc}",
                                 prefix_len=share, images=images))
-    unique = UNIQUE_BASE
     for c, turns in enumerate(conversations):
-        ids: list[int] = []
-        t = 0.3 * c
-        for k, (msg, answer, gap) in enumerate(turns):
-            unique += 1
-            ids = ids + [unique] + list(range(len(ids) + 1, len(ids) + msg))
-            out.append(TraceRequest(f"c{c}t{k}", t, answer, prompt_ids=ids, session=f"c{c}"))
-            ids = ids + [OUTPUT_TOKEN] * answer
-            t += gap
+        out += chat_session(f"c{c}", 0.3 * c, turns, UNIQUE_BASE + 10 * c)
     return sorted(out, key=lambda r: r.arrival)
 
 
