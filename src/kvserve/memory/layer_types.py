@@ -244,13 +244,13 @@ class ReusePoints:
     def points(self, r: RequestKV, lo: int, hi: int) -> list[int]:
         """Reuse points e with lo <= e <= hi (blocks, ascending); PROMPT_TAIL tokens
         before the prompt's end count as its end region."""
+        if r.lean:
+            return []
         hashes, marks = r.hashes, self.marks
         end = r.prompt_len // self.T
         # a next turn is hit again where it ends: no end region (-1)
         margin = -1 if r.next_turn else self.PROMPT_TAIL // self.T
         hi = min(hi, len(hashes))
-        if r.lean:
-            return []
         return [e for e in range(max(lo, 1), hi + 1)
                 if end - margin <= e <= end or hashes[e - 1] in marks]
 
