@@ -210,6 +210,10 @@ class KVCacheManager:
             self.alloc.evict_before(before)
         return self.alloc.free_large_pages()
 
+    # Whether the engine lends running requests' KV to other instances when the pool is
+    # short (DistAttention: LLMEngine.lend_with); then no request goes lean.
+    lends = False
+
     def drop_cache(self) -> int:
         """Evict every cached page no request holds; returns how many went. For a request
         alone in the pool that finds no room beside them (Scheduler._admit_waiting)."""
@@ -748,7 +752,9 @@ class KVCacheManager:
         kept at a marked branch point, or a prompt end region longer than the window
         (256 tokens against 8 on the tiny test model). A request that needed them to
         fit the pool alone was failed, or preempted and recomputed without end
-        (tests/sim/test_liveness.py, tests/engine/test_engine_properties.py).
+        (tests/sim/test_liveness.py, tests/engine/test_engine_properties.py). An
+        engine that lends KV to other instances (`lends`, DistAttention) lends instead,
+        as before: there the request's room is the cluster's.
         """
         if r.num_alloc > r.num_hit:
             pages = self._allocate_dropping_held(r, needs)
@@ -756,7 +762,7 @@ class KVCacheManager:
                 return pages
         elif any(o is not r and o.num_alloc > o.num_hit for o in self.reqs.values()):
             return None
-        if r.lean or self.reuse is None:
+        if r.lean or self.reuse is None or self.lends:
             return None
         held = dict(r.held)
         for m in self.managers:
