@@ -26,6 +26,7 @@ from kvserve.sim.traces import UNIQUE_BASE, Image, TraceRequest
 sys.path.insert(0, str(Path(__file__).parents[1] / "memory"))
 from invariants import check_invariants  # noqa: E402
 
+STEPS = 50_000  # far more than any drawn trace takes: past it, a livelock
 MODELS = {"gemma-3-12b": 16384, "jamba-1.5-mini": 16384, "llama-4-scout": 16384,
           "llama-3.2-11b-vision": 16384}
 
@@ -81,7 +82,14 @@ def test_every_request_that_fits_alone_finishes_and_no_page_is_left(
     images = {tr.id: tr.image_inputs() for tr in trace}
     cfg = small_config(model, policy, kv_mib=kv_mib, max_model_len=MODELS[model],
                        max_num_batched_tokens=budget, host_bytes=host_mib << 20)
-    sim = Simulator(cfg, on_step=lambda kv, sched, batch: check_invariants(kv))
+    steps = iter(range(STEPS))
+
+    def on_step(kv, sched, batch) -> None:
+        check_invariants(kv)
+        assert next(steps, None) is not None, "no end: " + str(
+            [(r.request_id, r.num_computed, len(r.token_ids)) for r in sched.running])
+
+    sim = Simulator(cfg, on_step=on_step)
     res = sim.run(trace)  # a stall raises: "the scheduler returned an empty batch"
     assert len(res.requests) == len(trace)
     kv = sim.kv
