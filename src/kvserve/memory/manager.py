@@ -744,8 +744,8 @@ class KVCacheManager:
         changes, if they still do not fit.
 
         A new request waits for the running ones, so admissions never split a running
-        prefix; a running one takes what others hold for their reuse points. Then, a
-        running request or one that no other runs beside goes lean (`RequestKV.lean`):
+        prefix; a running one takes what others hold for their reuse points, else the
+        scheduler preempts another. Alone, a request goes lean (`RequestKV.lean`):
         it lets go of what it holds for its own reuse points and keeps nothing for them
         from then on. Those windows and checkpoints only serve later requests, and can
         pass the peak that fits_alone admits by and the wait rules plan with: a window
@@ -760,8 +760,8 @@ class KVCacheManager:
             pages = self._allocate_dropping_held(r, needs)
             if pages is not None:
                 return pages
-        elif any(o is not r and o.num_alloc > o.num_hit for o in self.reqs.values()):
-            return None
+        if any(o is not r and o.num_alloc > o.num_hit for o in self.reqs.values()):
+            return None  # it waits, or the scheduler preempts one of the others
         if r.lean or self.reuse is None or self.lends:
             return None
         held = dict(r.held)
