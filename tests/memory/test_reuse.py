@@ -652,8 +652,8 @@ def test_a_miss_that_would_take_held_windows_prefills_in_the_largest_step_that_f
 def test_a_request_alone_gives_up_the_windows_it_would_keep_at_marks_to_fit():
     # Windows kept at marks are speculative, and beyond the peak that fits_alone admits
     # by. In a pool that holds the request alone only without them, it runs without them
-    # (before, its allocation failed with nothing else to wait for, and the scheduler
-    # failed the request); the window at its prompt's end, within the peak, stays.
+    # once it goes lean (the scheduler's call for a request alone: before, it failed the
+    # request); the window at its prompt's end, within the peak, stays.
     doc = [7_000 + i for i in range(400)]  # 100 blocks
     hashes: list[int] = []
     extend_block_hashes(hashes, doc, T)
@@ -672,7 +672,21 @@ def test_a_request_alone_gives_up_the_windows_it_would_keep_at_marks_to_fit():
     mgr = make(lean + 2, window_only=True)  # room for the decode's last block, not the mark's
     mgr.reuse.mark(hashes[49])
     assert mgr.fits_alone(len(doc) + 2, len(doc))
-    assert serve(mgr, "a", doc) == 0  # its allocations all succeed
+    mgr.add_request("a", doc)
+    assert mgr.lookup("a") == 0
+    assert not mgr.allocate_slots("a", len(doc))  # short, and nothing changed
+    check_invariants(mgr)
+    assert mgr.go_lean("a") and not mgr.go_lean("a")  # once; then nothing to give up
+    assert mgr.allocate_slots("a", len(doc))
+    mgr.advance("a", len(doc))
+    for i in range(2):
+        mgr.begin_step()
+        mgr.reqs["a"].tokens = doc + [900, 901][:i + 1]
+        assert mgr.allocate_slots("a", 1)
+        mgr.advance("a", 1)
+    mgr.begin_step()
+    mgr.finish("a")
+    check_invariants(mgr)
     assert serve(mgr, "b", doc + [1, 2, 3]) == len(doc)
 
 

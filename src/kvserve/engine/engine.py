@@ -378,7 +378,6 @@ class LLMEngine:
         through `lender` instead of preempting them, and prompts longer than the pool
         are taken."""
         self.lender = self.scheduler.lender = self.runner.lender = lender
-        self.kv.lends = lender is not None
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)

@@ -85,7 +85,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req, req.num_computed, budget, len(self.waiting))
-            while not self.kv.allocate_slots(req.request_id, n):
+            while not self._allocate(req, n, alone=len(self.running) == 1):
                 if self.lender is not None and self.lender.make_room(n):
                     continue  # lent KV out instead of preempting
                 victim = self.running.pop()
@@ -106,6 +106,18 @@ class Scheduler:
                 budget -= n
                 i += 1
         return budget
+
+    def _allocate(self, req: Request, n: int, alone: bool) -> bool:
+        """Slots for req's next n tokens. A request alone in the pool that is short
+        gives up what it keeps for later requests' reuse points, and tries again
+        (KVCacheManager.go_lean): beside others it waits, or one is preempted, and a
+        request that fits the pool alone always runs. An engine that lends KV to
+        other instances (DistAttention) lends instead: its room is the cluster's."""
+        rid = req.request_id
+        if self.kv.allocate_slots(rid, n):
+            return True
+        return (alone and self.lender is None and self.kv.go_lean(rid)
+                and self.kv.allocate_slots(rid, n))
 
     def _chunk(self, req: Request, done: int, budget: int, waiting: int) -> int:
         """Tokens req computes this step: the rest of its prompt (or a decode token),
@@ -162,9 +174,9 @@ class Scheduler:
                 i += 1
                 continue
             n = self._chunk(req, hit, budget, len(self.waiting) - 1)  # the others
-            if not self.kv.allocate_slots(req.request_id, n):
+            if not self._allocate(req, n, alone=not self.running):
                 self.kv.abort(req.request_id)
-                if not self.running and not batch:  # alone in the pool
+                if not self.running:  # alone in the pool
                     # Its hit's pages, and other cache, can split the large pages so that
                     # another layer type finds none whole (a 600-token turn, Gemma 3 12B,
                     # a pool of 48 large pages: tests/sim/test_liveness.py). Once more on

@@ -69,7 +69,7 @@ class RequestKV:
     loop: bool = False  # its prefix comes back at regular gaps: ReusePoints.reuse_key
     next_turn: bool = False  # a conversation's next turn: ReusePoints.next_turn
     # it keeps no windows or checkpoints for reuse points (they did not fit beside its
-    # own pages: KVCacheManager._allocate_short)
+    # own pages: KVCacheManager.go_lean)
     lean: bool = False
     arrival: int = 0  # its place in arrival order: the clock of reuse gaps
     # per spec: (page, hash) of cached pages a reuse point needs; stamped at finish

@@ -210,14 +210,31 @@ class KVCacheManager:
             self.alloc.evict_before(before)
         return self.alloc.free_large_pages()
 
-    # Whether the engine lends running requests' KV to other instances when the pool is
-    # short (DistAttention: LLMEngine.lend_with); then no request goes lean.
-    lends = False
-
     def drop_cache(self) -> int:
         """Evict every cached page no request holds; returns how many went. For a request
         alone in the pool that finds no room beside them (Scheduler._admit_waiting)."""
         return self.alloc.evict_before(self.now + 1)
+
+    def go_lean(self, req_id: RequestId) -> bool:
+        """The request lets go of what it holds for its own reuse points and keeps
+        nothing for them from now on (`RequestKV.lean`); False if it has nothing to
+        give up (already lean, or no reuse rules).
+
+        For a request alone in the pool that is out of pages (Scheduler._allocate).
+        Those windows and checkpoints only serve later requests, and can pass the peak
+        that fits_alone admits by and the wait rules plan with: a window kept at a
+        marked branch point, or a prompt end region longer than the window (256 tokens
+        against 8 on the tiny test model). A request that needed them to fit the pool
+        alone was failed, or preempted and recomputed without end
+        (tests/sim/test_liveness.py, tests/engine/test_engine_properties.py).
+        """
+        r = self._req(req_id)
+        if r.lean or self.reuse is None:
+            return False
+        for m in self.managers:
+            m.drop_held(r, self._key(r))
+        r.lean = True
+        return True
 
     # --------------------------------------------------------------- requests
 
@@ -469,7 +486,10 @@ class KVCacheManager:
         try:
             pages = self.alloc.allocate(req_id, needs)
         except OutOfPages:
-            pages = self._allocate_short(r, upto, needs)
+            # A new request waits for the running ones, so admissions never split a
+            # running prefix; a running one takes what others hold for their reuse
+            # points, else the scheduler preempts another (or, alone, it goes lean).
+            pages = self._allocate_dropping_held(r, needs) if r.num_alloc > r.num_hit else None
             if pages is None:
                 return False
         self._demote_cut()
@@ -737,47 +757,6 @@ class KVCacheManager:
                 pages = m.peak_pages(len(r.tokens) - r.num_alloc, chunk, r.images)
                 need[self.alloc.part[m.s]] += -(-pages // self.layout.pages_per_large[m.s])
         return all(n <= have for n, have in zip(need, supply))
-
-    def _allocate_short(self, r: RequestKV, upto: int,
-                        needs: list[tuple[int, int]]) -> list[list[int]] | None:
-        """r's pages up to `upto` where the pool is short of `needs`; None, and nothing
-        changes, if they still do not fit.
-
-        A new request waits for the running ones, so admissions never split a running
-        prefix; a running one takes what others hold for their reuse points, else the
-        scheduler preempts another. Alone, a request goes lean (`RequestKV.lean`):
-        it lets go of what it holds for its own reuse points and keeps nothing for them
-        from then on. Those windows and checkpoints only serve later requests, and can
-        pass the peak that fits_alone admits by and the wait rules plan with: a window
-        kept at a marked branch point, or a prompt end region longer than the window
-        (256 tokens against 8 on the tiny test model). A request that needed them to
-        fit the pool alone was failed, or preempted and recomputed without end
-        (tests/sim/test_liveness.py, tests/engine/test_engine_properties.py). An
-        engine that lends KV to other instances (`lends`, DistAttention) lends instead,
-        as before: there the request's room is the cluster's.
-        """
-        if r.num_alloc > r.num_hit:
-            pages = self._allocate_dropping_held(r, needs)
-            if pages is not None:
-                return pages
-        if any(o is not r and o.num_alloc > o.num_hit for o in self.reqs.values()):
-            return None  # it waits, or the scheduler preempts one of the others
-        if r.lean or self.reuse is None or self.lends:
-            return None
-        held = dict(r.held)
-        for m in self.managers:
-            if m.s in held:
-                m.drop_held(r, self._key(r))
-        r.lean = True
-        lean = [(m.s, m.num_new_pages(r, upto)) for m in self.managers]
-        try:
-            return self.alloc.allocate(r.req_id, lean)
-        except OutOfPages:
-            pass
-        for s, pids in held.items():  # still short: nothing changes after all
-            self.alloc.claim(s, pids)
-        r.held, r.lean = held, False
-        return None
 
     def _allocate_dropping_held(
         self, r: RequestKV, needs: list[tuple[int, int]]
