@@ -202,6 +202,15 @@ class MemoryCore(RuleBasedStateMachine):
         return True
 
     @precondition(lambda self: self.mgr.reqs)
+    @rule(pick=st.integers(0, 1 << 16))
+    def go_lean(self, pick):
+        """A request gives up what it keeps for its reuse points, for good (the
+        scheduler's call for a request alone that is out of pages)."""
+        rid = sorted(self.mgr.reqs)[pick % len(self.mgr.reqs)]
+        lean = self.mgr.reqs[rid].lean
+        assert self.mgr.go_lean(rid) == (not lean and self.mgr.reuse is not None)
+
+    @precondition(lambda self: self.mgr.reqs)
     @rule(pick=st.integers(0, 1 << 16), abort=st.booleans())
     def finish(self, pick, abort):
         rid = sorted(self.mgr.reqs)[pick % len(self.mgr.reqs)]
@@ -251,6 +260,11 @@ class MemoryCore(RuleBasedStateMachine):
                 if spec.kind is LayerKind.MAMBA:
                     # the live state; and the tail once it passed a block past its prompt
                     assert held <= 1 + ((r.num_alloc // T) * T > r.prompt_len)
+
+    @invariant()
+    def a_lean_request_holds_nothing_for_reuse_points(self):
+        for r in self.mgr.reqs.values():
+            assert not (r.lean and any(r.held.values())), r.held
 
     @invariant()
     def state_pages_stay_within_the_peak(self):
