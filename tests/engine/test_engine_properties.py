@@ -5,7 +5,7 @@ prompt, its answer and a new message), cancellations and steps arrive in an
 order hypothesis draws, in pools small enough to preempt and evict. Every
 request that runs to its end must give the reference's greedy tokens for its
 prompt alone, and nothing may stay allocated once all have left: prefix hits,
-held windows, marks, preemption and the liveness fallbacks (`_allocate_short`,
+held windows, marks, preemption and the liveness fallbacks (`go_lean`,
 `drop_cache`) must never change what a request computes.
 """
 
@@ -31,6 +31,14 @@ def tokens(data, lo: int, hi: int) -> list[int]:
     return data.draw(st.lists(st.integers(3, VOCAB - 1), min_size=lo, max_size=hi))
 
 
+def step(eng: LLMEngine, done: dict, aborted: set) -> None:
+    """One engine step; each request it finished (and no one cancelled) goes to done,
+    as (its tokens, its finish reason)."""
+    for out in eng.step():
+        if out.finished and out.request_id not in aborted:
+            done[out.request_id] = out.outputs[0].token_ids, out.outputs[0].finish_reason
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), kib=st.integers(16, 160), budget=st.sampled_from([16, 64, 256]),
        T=st.sampled_from([1, 4]))
@@ -53,9 +61,7 @@ def test_random_interleavings_give_each_request_its_own_greedy_tokens(tiny, data
             aborted.add(rid)
             continue
         else:
-            for out in eng.step():
-                if out.finished and out.request_id not in aborted:
-                    done[out.request_id] = out.outputs[0].token_ids, out.outputs[0].finish_reason
+            step(eng, done, aborted)
             continue
         n = data.draw(st.integers(1, 32))
         try:
@@ -67,9 +73,7 @@ def test_random_interleavings_give_each_request_its_own_greedy_tokens(tiny, data
     for _ in range(STEPS):  # far more than the requests need, preempted or not
         if not eng.has_unfinished():
             break
-        for out in eng.step():
-            if out.finished and out.request_id not in aborted:
-                done[out.request_id] = out.outputs[0].token_ids, out.outputs[0].finish_reason
+        step(eng, done, aborted)
     assert not eng.has_unfinished(), "the engine stalled: " + str(
         [(r.request_id, r.num_computed, len(r.token_ids)) for r in eng.scheduler.running]
         + [(r.request_id, len(r.token_ids)) for r in eng.scheduler.waiting])

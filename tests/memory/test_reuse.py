@@ -33,6 +33,14 @@ def serve(mgr: KVCacheManager, rid, tokens: list[int], out: int = 2) -> int:
     mgr.begin_step()
     mgr.add_request(rid, tokens)
     hit = mgr.lookup(rid)
+    prefill_and_decode(mgr, rid, tokens, hit, out)
+    return hit
+
+
+def prefill_and_decode(mgr: KVCacheManager, rid, tokens: list[int], hit: int,
+                       out: int) -> None:
+    """The rest of `serve` for a request looked up at `hit`: its prompt in one step,
+    `out` decode steps, finish."""
     assert mgr.allocate_slots(rid, len(tokens) - hit)
     mgr.advance(rid, len(tokens) - hit)
     for i in range(out):
@@ -44,7 +52,6 @@ def serve(mgr: KVCacheManager, rid, tokens: list[int], out: int = 2) -> int:
     mgr.begin_step()
     mgr.finish(rid)
     check_invariants(mgr)
-    return hit
 
 
 def squeeze(mgr: KVCacheManager, rid, more: int = 0) -> None:
@@ -677,16 +684,7 @@ def test_a_request_alone_gives_up_the_windows_it_would_keep_at_marks_to_fit():
     assert not mgr.allocate_slots("a", len(doc))  # short, and nothing changed
     check_invariants(mgr)
     assert mgr.go_lean("a") and not mgr.go_lean("a")  # once; then nothing to give up
-    assert mgr.allocate_slots("a", len(doc))
-    mgr.advance("a", len(doc))
-    for i in range(2):
-        mgr.begin_step()
-        mgr.reqs["a"].tokens = doc + [900, 901][:i + 1]
-        assert mgr.allocate_slots("a", 1)
-        mgr.advance("a", 1)
-    mgr.begin_step()
-    mgr.finish("a")
-    check_invariants(mgr)
+    prefill_and_decode(mgr, "a", list(doc), 0, 2)  # its allocations all succeed
     assert serve(mgr, "b", doc + [1, 2, 3]) == len(doc)
 
 
