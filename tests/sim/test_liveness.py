@@ -57,7 +57,7 @@ def trace_of(questions, conversations, vision: bool = False) -> list[TraceReques
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # A 9K-token question alone in a 1.25 GiB pool that fitted only without the window its
-# prefill kept at a marked branch point (KVCacheManager._allocate_short).
+# prefill kept at a marked branch point (KVCacheManager.go_lean).
 @example(model="gemma-3-12b", policy="jenga", kv_mib=1282, budget=None, host_mib=0,
          questions=[(0, 603, 129, 47, 0.17, None), (3, 3267, 68, 58, 0.45, None),
                     (2, 8291, 35, 115, 0.0, None), (2, 8845, 118, 10, 0.3, None),
