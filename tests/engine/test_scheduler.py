@@ -205,3 +205,30 @@ def test_a_request_that_more_than_lpm_max_others_passed_goes_by_arrival():
         sched.finish(sched.running[0])
     # Each question hit and went first, until three had started since x queued.
     assert started == ["q0", "q1", "q2", "x"]
+
+
+def test_a_queued_prompt_is_hashed_once_however_long_it_waits(monkeypatch):
+    """A waiting request is added to the memory core and taken back every step; its
+    block hashes are the request's own, kept between steps, not computed again."""
+    import kvserve.memory.manager as manager
+
+    hashed, extend = [], manager.extend_block_hashes
+
+    def counting(hashes: list[int], tokens, *args, **kwargs) -> None:
+        n = len(hashes)
+        extend(hashes, tokens, *args, **kwargs)
+        hashed.append(len(hashes) - n)
+
+    monkeypatch.setattr(manager, "extend_block_hashes", counting)
+    kv = KVCacheManager([FULL], T * 8 * 64, tokens_per_page=T)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16)
+    doc = list(range(40))
+    a, b = _shared("a", doc, 3), _shared("b", doc, 5)
+    sched.add(a)
+    sched.add(b)  # waits two steps while "a" computes the document
+    for _ in range(3):
+        batch, _ = sched.schedule()
+        sched.commit(batch)
+    assert b.status.name == "RUNNING" and b.num_cached_tokens == 32
+    assert kv.reqs["b"].hashes is b.block_hashes
+    assert sum(hashed) == len(a.token_ids) // T + len(b.token_ids) // T  # each block once

@@ -855,6 +855,21 @@ def test_a_repeated_prompt_retires_nothing():
     check_invariants(mgr)
 
 
+def test_a_prompt_apart_from_every_sequence_end_is_seen_as_a_next_turn_once_one_ends():
+    # The next turn is queued (looked up every step) while its previous turn still
+    # runs: no finished sequence lies in it yet, and that answer is remembered until a
+    # request finishes.
+    reuse = ReusePoints(T)
+    seq = _message(0, 40) + _answer(20)
+    nxt = seq + _message(1, 12)
+    r = RequestKV("b", nxt, (), hashes=_hashes(nxt), prompt_len=len(nxt))
+    p = (len(nxt) - 1) // T
+    assert not reuse.next_turn(r, p) and not reuse.next_turn(r, p)
+    reuse.remember(RequestKV("a", seq, (), hashes=_hashes(seq), prompt_len=40,
+                             num_computed=len(seq)))
+    assert reuse.next_turn(r, p)
+
+
 @pytest.mark.parametrize("lost", [False, True])
 def test_a_next_turn_keeps_no_window_for_its_prompts_end(lost):
     # A conversation's next turn is hit again at its sequence end, not in its prompt's

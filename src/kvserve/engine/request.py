@@ -92,7 +92,9 @@ class Request:
     first_token_time: float | None = None
     sent_text: int = 0  # streaming: characters / output tokens already reported
     sent_tokens: int = 0
-    block_hashes: list[int] = field(default_factory=list)  # of the prompt, for the scheduler
+    # Of its tokens' full blocks, hashed once: the queue's order and the memory core's
+    # lookups read them every step it waits (KVCacheManager.add_request).
+    block_hashes: list[int] = field(default_factory=list)
     queued_at: int = 0  # the scheduler's first admissions when it was queued
 
     def __post_init__(self) -> None:

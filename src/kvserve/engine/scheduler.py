@@ -161,7 +161,8 @@ class Scheduler:
         i = 0  # requests before i were told to wait by the memory core: skip them
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
-            self.kv.add_request(req.request_id, req.token_ids, req.images, req.seq)
+            self.kv.add_request(req.request_id, req.token_ids, req.images, req.seq,
+                                req.block_hashes)
             hit = self.kv.lookup(req.request_id)
             step = min(len(req.token_ids) - hit, budget)
             # The memory core may ask a request to let the ones behind it go first;
@@ -189,7 +190,6 @@ class Scheduler:
                     continue
                 break
             del self.waiting[i]
-            req.block_hashes = []  # only the queue's order needed them
             if not req.admitted:  # the first admission, not a resumed preemption
                 self.num_started += 1
                 req.num_cached_tokens = hit

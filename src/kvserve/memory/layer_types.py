@@ -138,6 +138,11 @@ class ReusePoints:
         # repeat the generated ids). The tail tells a whole prompt from a shared
         # document that merely ends in the same block.
         self.turns: dict[Hashable, tuple[int, ...]] = {}
+        # Prompt heads (by their last block's hash) known to share no block with `ends`
+        # or `turns`: a queued prompt is looked up every step, and the scan was most
+        # of the simulator's time with 20K-token articles queued. Only new entries
+        # there can change the answer, so they clear it.
+        self.apart: set[Hashable] = set()
 
     def remember(self, r: RequestKV) -> None:
         hashes, seen, t = r.hashes, self.seen, r.arrival
@@ -155,6 +160,7 @@ class ReusePoints:
             del seen[next(iter(seen))]
         if n:
             _put_newest(self.ends, hashes[n - 1], r.prompt_len // self.T, self.limit)
+        self.apart.clear()
 
     def reuse_key(self, r: RequestKV, p: int, q: int, now: int) -> int | None:
         """The eviction key of r's pages if r belongs to a loop, else None (the step).
@@ -208,8 +214,12 @@ class ReusePoints:
         it ends rather than in its prompt's end region. (A request that stopped inside
         its prompt, preempted, left no answer: another one sharing its prefix is none.)"""
         ends, hashes = self.ends, r.hashes
+        if p < 2 or hashes[p - 2] in self.apart:
+            return False
         head = hashes[:p - 1]
         if ends.keys().isdisjoint(head) and self.turns.keys().isdisjoint(head):
+            if len(self.apart) < self.limit:
+                self.apart.add(hashes[p - 2])
             return False  # most prompts: one pass in C, not a loop per block
         for e in range(p - 1, 0, -1):
             pe = ends.get(hashes[e - 1])

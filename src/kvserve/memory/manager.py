@@ -244,9 +244,14 @@ class KVCacheManager:
         tokens: Sequence[int],
         images: Sequence[ImageInput] = (),
         arrival: int | None = None,
+        hashes: list[int] | None = None,
     ) -> None:
         """`arrival`: the request's place in arrival order (the scheduler's; by default
-        the order of add_request calls), the clock of prefix reuse distances."""
+        the order of add_request calls), the clock of prefix reuse distances.
+        `hashes`: the caller's block hashes of tokens, extended here in place and kept
+        between calls. A queued request is added and taken back each step it waits,
+        and hashing a long prompt again each time was most of a step: 73% of the
+        simulator's time with 20K-token articles queued (docs/benchmarks.md)."""
         if req_id in self.reqs:
             raise ValueError(f"request {req_id!r} is already known")
         if not tokens:
@@ -256,6 +261,7 @@ class KVCacheManager:
             req_id, tokens, tuple(images),
             tables=[[] for _ in range(n)], released=[0] * n, pending=[[] for _ in range(n)],
             prompt_len=len(tokens), arrival=self._arrivals if arrival is None else arrival,
+            hashes=[] if hashes is None else hashes,
         )
         self._arrivals += 1
 
