@@ -10,7 +10,10 @@ offline bound for jenga's pool (kvserve.sim.bounds), plain and with each
 running request's peak room kept free (`+peak`, prefill chunks of the
 scheduler's token budget or, if smaller, the chunk it gives misses).
 `vs bound` is jenga's hit rate over the lower of the infinite and plain
-Belady bounds, `vs peak` over the peak bound. `blind` is not a bound but what
+Belady bounds, `vs peak` over the peak bound. `+run` is the peak bound with
+the least room beside the cache that the requests jenga's run had running at
+each moment need (`belady(busy=...)`: any policy serving with that concurrency
+needs it), `vs run` jenga over it. `blind` is not a bound but what
 an online policy can expect on a shuffled trace: the peak bound's pool kept by
 each unit's remaining uses instead of its next one (`vs blind`: jenga over it).
 `lru` is what recency alone gets in the same pool: units by their last use, each
@@ -28,7 +31,7 @@ import json
 import sys
 from collections.abc import Callable
 
-from kvserve.sim.bounds import belady, hit_bytes, infinite_pool, peak_bytes
+from kvserve.sim.bounds import belady, hit_bytes, infinite_pool, peak_bytes, run_bytes
 from kvserve.sim.gpus import get_gpu
 from kvserve.sim.models import get_model
 from kvserve.sim.simulator import SimConfig, SimResult, Simulator
@@ -81,6 +84,10 @@ def run_point(trace_spec: str, args: argparse.Namespace) -> dict:
         peak = peak_bytes(sim.kv, min(sim.cfg.batched_tokens, sim.kv.MISS_CHUNK))
         row[f"{policy}_peak"] = belady(seen, pool, size, 16, peak)
         if policy == "jenga":
+            busy = {r.id: (r.first_token, r.finish) for r in res.requests
+                    if r.first_token is not None and r.finish is not None}
+            row["jenga_run"] = belady(seen, pool, size, 16, peak, busy=busy,
+                                      room=run_bytes(sim.kv))
             row["jenga_blind"] = belady(seen, pool, size, 16, peak, order_blind=True)
             row["jenga_lru"] = belady(seen, pool, size, 16, peak, recency=True)
         row[f"{policy}_pool_gb"] = sim.kv.pool_bytes / 1e9
@@ -91,16 +98,19 @@ def run_point(trace_spec: str, args: argparse.Namespace) -> dict:
 def print_row(row: dict, header: bool) -> None:
     if header:
         print(f"{'trace':<58}{'uniform':>8}{'jenga':>8}{'ratio':>7}{'inf':>8}"
-              f"{'belady':>8}{'vs bound':>9}{'+peak':>8}{'vs peak':>9}{'blind':>8}{'vs blind':>9}"
+              f"{'belady':>8}{'vs bound':>9}{'+peak':>8}{'vs peak':>9}{'+run':>8}{'vs run':>8}"
+              f"{'blind':>8}{'vs blind':>9}"
               f"{'lru':>8}{'vs lru':>8}")
     ratio = row["jenga"] / row["uniform"] if row["uniform"] else float("inf")
     vs = row["jenga"] / row["bound"] if row["bound"] else 1.0
     vs_peak = row["jenga"] / row["jenga_peak"] if row["jenga_peak"] else 1.0
+    vs_run = row["jenga"] / row["jenga_run"] if row["jenga_run"] else 1.0
     vs_blind = row["jenga"] / row["jenga_blind"] if row["jenga_blind"] else 1.0
     vs_lru = row["jenga"] / row["jenga_lru"] if row["jenga_lru"] else float("inf")  # loops
     print(f"{row['trace']:<58}{row['uniform']:>8.1%}{row['jenga']:>8.1%}{ratio:>7.2f}"
           f"{row['infinite']:>8.1%}{row['jenga_belady']:>8.1%}{vs:>9.1%}"
-          f"{row['jenga_peak']:>8.1%}{vs_peak:>9.1%}{row['jenga_blind']:>8.1%}"
+          f"{row['jenga_peak']:>8.1%}{vs_peak:>9.1%}{row['jenga_run']:>8.1%}{vs_run:>8.1%}"
+          f"{row['jenga_blind']:>8.1%}"
           f"{vs_blind:>9.1%}{row['jenga_lru']:>8.1%}{vs_lru:>8.1%}", flush=True)
 
 

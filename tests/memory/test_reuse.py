@@ -751,10 +751,11 @@ def test_a_next_turn_hits_the_state_at_the_previous_sequences_last_block():
     assert not any(sp.ref)  # every tail went with its request
 
 
-def test_a_next_turn_leaves_the_state_it_restored_from_with_the_key_it_had():
-    """A conversation goes on past the state its next turn restores from: a restore is no
-    use of it, so it keeps the key its turn cached it with instead of outliving other
-    conversations' latest states."""
+def test_a_next_turn_leaves_the_state_it_restored_from_to_go_first():
+    """A conversation goes on past the state its next turn restores from: that state then
+    serves only an edit of the turn's message, so it goes before every state a next turn
+    could hit (as Marconi drops a state its sequence has outgrown) instead of outliving
+    other conversations' latest states, and serves the edit while it stays."""
     state = KVSpec("mamba", LayerKind.MAMBA, 1, PAGE, checkpoint_every=4 * T)
     mgr = make(200, (FULL, state))
     sp = mgr.alloc.specs[1]
@@ -763,10 +764,12 @@ def test_a_next_turn_leaves_the_state_it_restored_from_with_the_key_it_had():
     b = a + _answer(10) + [7000 + i for i in range(9)]
     serve(mgr, "b", b, out=2)
     (tail,) = [p for p, h in enumerate(sp.hash) if h and sp.plen[p] == 88]  # b's end
-    cached_at = sp.last[tail]
+    assert sp.last[tail] > DEAD
     c = b + _answer(2) + [8000 + i for i in range(5)]
     assert serve(mgr, "c", c) == 88  # restored from b's tail
-    assert sp.hash[tail] is not None and sp.last[tail] == cached_at < mgr.now
+    assert sp.hash[tail] is not None and sp.last[tail] == DEAD
+    edit = b + _answer(2) + [9000 + i for i in range(5)]  # c's message, edited
+    assert serve(mgr, "edit", edit) == 88
 
 
 def _message(k: int, msg: int) -> list[int]:

@@ -717,9 +717,14 @@ class MambaState(SpecManager):
                     h = None
             if pos == 0 and r.next_turn and self.reuse is not None:
                 # The state this turn restored from: its conversation goes on past it, so
-                # the restore is no use of it; it keeps its key (Jamba chat, 400 sessions
-                # at 2/s: 74.1% -> 76.4%; docs/benchmarks.md).
-                self.alloc.unclaim(s, [pid])
+                # it serves only an edit of this turn's message, and goes before every
+                # state a next turn could hit, 8.9 MB each on Jamba (its chat, 400 sessions
+                # at 2/s: 76.4% -> 79.8%; docs/benchmarks.md). vLLM's align mode (the
+                # baseline) keeps the key the state had.
+                if self.spec.checkpoint_last_only:
+                    self.alloc.unclaim(s, [pid])
+                else:
+                    self.alloc.free(s, [pid], DEAD)
             elif h is None or self.reuse is None:
                 self.alloc.free(s, [pid], now)
             elif self._serves_reuse_point(r, pos // self.T):

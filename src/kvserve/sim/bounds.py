@@ -18,6 +18,13 @@
   whether or not its unit stays cached after it. Any policy needs that room
   beside its cache at that moment, more with requests running together, so
   this is the tighter ceiling where prompts are long.
+- `belady` with `peak` and `busy`: the same, and each other request the run had
+  running at that moment (`busy`: its first token to its finish, so it has its
+  whole prompt) holds the least room any layout needs beside the cache to go on
+  (`run_bytes`: its full-attention pages past its hit, a window's worth of
+  sliding pages, its live Mamba state). Any policy serving the trace with the
+  run's concurrency needs that room too, so this is the ceiling where many
+  requests run at once (a chat's answers: dozens of turns decode together).
 
 - `belady` with `order_blind`: not a bound but a reference for shuffled
   traces, where MIN's knowledge of *when* each unit comes back is what no
@@ -105,13 +112,42 @@ def peak_bytes(kv: KVCacheManager, chunk: int) -> Callable[[int], int]:
     return size
 
 
+def run_bytes(kv: KVCacheManager) -> Callable[[int, int], int]:
+    """Bytes a running request with n tokens computed, h of them hit, holds beside what
+    its hit's cached unit holds, at the least any layout needs to go on computing."""
+    T = kv.T
+
+    def size(h: int, n: int) -> int:
+        total, new = 0, -(-(n - h) // T)
+        for m in kv.managers:
+            spec = m.spec
+            if spec.kind is LayerKind.FULL:
+                pages = new
+            elif spec.kind is LayerKind.SLIDING:
+                pages = min(new, -(-spec.window // T))
+            elif spec.kind is LayerKind.CHUNKED:
+                pages = min(new, -(-(n % spec.chunk) // T))
+            elif spec.kind is LayerKind.MAMBA:
+                pages = 1  # the live state: a cached checkpoint is not updated in place
+            else:
+                pages = 0  # image pages: not part of a text prefix
+            total += pages * kv.layout.page_bytes[m.s]
+        return total
+
+    return size
+
+
 def belady(trace: Sequence[TraceRequest], capacity: int, size: Callable[[int], int],
            T: int = 16, peak: Callable[[int], int] | None = None,
-           order_blind: bool = False, recency: bool = False) -> float:
+           order_blind: bool = False, recency: bool = False,
+           busy: dict[str, tuple[float, float]] | None = None,
+           room: Callable[[int, int], int] | None = None) -> float:
     """The hit rate of offline MIN over prefix units in `capacity` bytes (see module doc);
-    with `peak`, each request's own peak room is kept free while it runs; with
-    `order_blind`, units are ranked by their remaining uses instead of their next one;
-    with `recency`, by their last use, and cached as an online cache would (LRU)."""
+    with `peak`, each request's own peak room is kept free while it runs; with `busy`
+    (request id -> the run's first token and finish), also `room(hit, prompt_len)` for
+    each other request running then; with `order_blind`, units are ranked by their
+    remaining uses instead of their next one; with `recency`, by their last use, and
+    cached as an online cache would (LRU)."""
     ordered = sorted(trace, key=lambda r: r.arrival)
     hits = _hits(ordered, T)
     nxt: list[int] = [len(ordered)] * len(ordered)  # next request of the same unit
@@ -125,6 +161,11 @@ def belady(trace: Sequence[TraceRequest], capacity: int, size: Callable[[int], i
     cached: dict[str, tuple[int, int, int]] = {}  # unit -> (rank, bytes, tokens)
     heap: list[tuple[int, str]] = []  # (rank, unit), lowest first out; stale entries skipped
     used = got = 0
+    # The others' room (busy): requests yet to reach their first token by (first token,
+    # finish, room), those past it by (finish, room); `others` is the latter's sum.
+    starts: list[tuple[float, float, int]] = []
+    ends: list[tuple[float, int]] = []
+    others = 0
     for i, tr in enumerate(ordered):
         u = tr.prefix_id  # None: shares nothing, but takes room while it runs
         h = 0  # tokens hit
@@ -133,6 +174,12 @@ def belady(trace: Sequence[TraceRequest], capacity: int, size: Callable[[int], i
             h = min(hits[i], kept)
             used -= nbytes
         got += h
+        while starts and starts[0][0] <= tr.arrival:
+            _, end, nbytes = heapq.heappop(starts)
+            heapq.heappush(ends, (end, nbytes))
+            others += nbytes
+        while ends and ends[0][0] <= tr.arrival:
+            others -= heapq.heappop(ends)[1]
         j = nxt[i]
         if recency:  # what a next request could hit, whether or not one comes
             keeps = u is not None
@@ -149,18 +196,25 @@ def belady(trace: Sequence[TraceRequest], capacity: int, size: Callable[[int], i
         if peak is not None:
             held = peak(tr.prompt_len - h + tr.output_len) + (size(h) if h else 0)
         extra = held
-        if keeps and max(need, held) <= capacity:
+        if keeps and max(need, held) + others <= capacity:
             # fewest uses left / least recently used / furthest next use
             rank = left[i] if order_blind else i if recency else -j
             cached[u] = (rank, need, keep)
             used += need
             heapq.heappush(heap, (rank, u))
             extra = max(0, held - need)
-        while used + extra > capacity and heap:
+        while used + extra + others > capacity and heap:
             rank, v = heapq.heappop(heap)
             if cached.get(v, (None,))[0] == rank:
                 used -= cached.pop(v)[1]
                 if v == u:
                     extra = held
+        if busy is not None and room is not None and tr.id in busy:
+            # From its first token to its end it has its prompt. What its unit keeps
+            # cached for the next request (a conversation so far) is that same KV: only
+            # the rest is room beside the cache (the unit may go later: a lower bound).
+            first, end = busy[tr.id]
+            kept_bytes = cached[u][1] if u in cached else 0
+            heapq.heappush(starts, (first, end, max(0, room(h, tr.prompt_len) - kept_bytes)))
     total = sum(r.prompt_len for r in ordered)
     return got / total if total else 0.0
