@@ -772,6 +772,39 @@ def test_a_next_turn_leaves_the_state_it_restored_from_to_go_first():
     assert serve(mgr, "edit", edit) == 88
 
 
+def test_a_next_turn_lets_the_states_its_first_turn_kept_for_its_prompt_go_first():
+    """A conversation's first turn keeps states for its prompt's end region (an answer
+    regenerated); once the next turn continues past its answer they serve only that, as
+    the windows TextStream.retire lets go: cached DEAD, but for one a mark needs. A
+    second question on a document (a branch, not a next turn) restores from them, and
+    they stay."""
+    state = KVSpec("mamba", LayerKind.MAMBA, 1, PAGE, checkpoint_every=4 * T)
+    mgr = make(200, (FULL, state))
+    sp = mgr.alloc.specs[1]
+    w = [10_000 + i for i in range(40)]  # another conversation goes on: tails are kept
+    serve(mgr, "w1", w, out=4)
+    assert serve(mgr, "w2", w + _answer(4) + [11_000 + i for i in range(9)]) == 32  # grid
+    assert mgr.reuse.continued
+    a = ARTICLE + [500, 501, 502]  # 16 whole blocks, the end region's grid: 8, 12, 16
+    serve(mgr, "a", a, out=10)
+
+    mine = set(_hashes(ARTICLE))
+
+    def prompt_states():
+        return {sp.plen[p]: sp.last[p] for p, h in enumerate(sp.hash) if h in mine}
+
+    assert set(prompt_states()) == {32, 48, 64}
+    assert all(key > DEAD for key in prompt_states().values())
+    question = ARTICLE + [600, 601, 602, 603, 604]  # branches off at block 16
+    assert serve(mgr, "q", question) == 64
+    assert all(key > DEAD for key in prompt_states().values())
+    b = a + _answer(10) + [7000 + i for i in range(9)]
+    assert serve(mgr, "b", b) == 76  # a's sequence end: its tail
+    states = prompt_states()
+    assert states[32] == states[48] == DEAD
+    assert states[64] > DEAD  # the question marked it: the next question hits there
+
+
 def _message(k: int, msg: int) -> list[int]:
     """Turn k's new message of `msg` tokens in `_conversation`."""
     return [50_000 + 100 * k + i for i in range(msg)]

@@ -781,6 +781,25 @@ class MambaState(SpecManager):
                                                               pos)
         self.alloc.free(self.s, [pid], now if cached and self.reuse.continued else DEAD)
 
+    def retire(self, r: RequestKV, q: int, prompt_end: int) -> None:
+        """r continues, at q, the sequence of a finished request whose prompt ended at
+        block prompt_end (a conversation's next turn). The states that request kept for
+        hits in its prompt's end region (`_prompt_points`: a conversation's first turn)
+        then serve only a regenerated answer, as the windows of TextStream.retire: cache
+        them DEAD unless a mark needs them. Not for branches: a second question on a
+        document restores from those very states."""
+        if not r.next_turn or self.spec.checkpoint_last_only:
+            return
+        m, hashes = self._every(), r.hashes
+        lo = max(1, prompt_end - self.reuse.PROMPT_TAIL // self.T)
+        ends = range(lo, min(prompt_end, len(hashes)) + 1)  # ReusePoints.points' region
+        keep = {e - e % m for e in ends if hashes[e - 1] in self.reuse.marks}
+        cached = self.alloc.specs[self.s].cached
+        out = [cached[hashes[g - 1]] for g in {e - e % m for e in ends} - keep
+               if 0 < g < q and hashes[g - 1] in cached]
+        if out:
+            self.alloc.demote(self.s, out)
+
     def _serves_reuse_point(self, r: RequestKV, e: int) -> bool:
         """A hit at q uses the checkpoint at q - q % every: the one at e serves [e, e + every)."""
         m = self._every()
