@@ -17,6 +17,10 @@ def tokens(n: int) -> int:  # a byte a token: hit bytes and peak room alike
     return n
 
 
+def past_hit(h: int, n: int) -> int:  # a running request's room: a byte a token past its hit
+    return n - h
+
+
 def test_belady_keeps_what_comes_back_first():
     trace = _trace([0, 1, 2, 0, 1, 2])
     assert belady(trace, 10**9, tokens) == infinite_pool(trace)
@@ -116,15 +120,14 @@ def test_recency_never_beats_min(units, capacity, peak):
 def test_the_concurrent_bound_keeps_the_others_running_room_free():
     trace = _trace([0, 1, 0, 1])  # 72-token prompts on 64-token units, a second apart
     total = sum(r.prompt_len for r in trace)
-    beside = lambda h, n: n - h  # noqa: E731  (a byte a token past the hit)
     assert belady(trace, 2 * 64, tokens) == 2 * 64 / total
     # r0 decodes through the whole trace, holding its 8 tokens past unit 0 beside the
     # cache: the two units no longer fit together, and MIN keeps unit 0 (back first).
     busy = {"r0": (0.5, 10.0)}
-    assert belady(trace, 2 * 64, tokens, busy=busy, room=beside) == 64 / total
+    assert belady(trace, 2 * 64, tokens, busy=busy, room=past_hit) == 64 / total
     # Its room counts from its first token to its finish only.
-    assert belady(trace, 2 * 64, tokens, busy={"r0": (1.5, 10.0)}, room=beside) == 2 * 64 / total
-    assert belady(trace, 2 * 64, tokens, busy={"r0": (0.5, 0.9)}, room=beside) == 2 * 64 / total
+    assert belady(trace, 2 * 64, tokens, busy={"r0": (1.5, 10.0)}, room=past_hit) == 2 * 64 / total
+    assert belady(trace, 2 * 64, tokens, busy={"r0": (0.5, 0.9)}, room=past_hit) == 2 * 64 / total
 
 
 @settings(max_examples=60, deadline=None)
@@ -134,5 +137,5 @@ def test_the_concurrent_bound_keeps_the_others_running_room_free():
 def test_the_others_room_never_adds_hits(units, capacity, spans):
     trace = _trace(units)
     busy = {tr.id: (tr.arrival + a, tr.arrival + a + d) for tr, (a, d) in zip(trace, spans)}
-    room = lambda h, n: n - h  # noqa: E731
-    assert belady(trace, capacity, tokens, busy=busy, room=room) <= belady(trace, capacity, tokens)
+    assert (belady(trace, capacity, tokens, busy=busy, room=past_hit)
+            <= belady(trace, capacity, tokens))
